@@ -1,0 +1,124 @@
+"""Two-armed bandit with symbolic arm names (ragen/env/bandit), the StarPO paper's single-turn test.
+
+One arm is low risk (always pays 0.1), the other high risk (pays 1.0 with probability 0.25, else 0):
+the high-risk arm is better on average but loses 3 pulls out of 4. The model only sees the names,
+so it has to reason from what "Dragon" or "Phoenix" suggests. One pull ends the episode.
+Randomness: gymnasium's np_random seeded at reset (a numpy Generator from the seed); it decides
+the order the names are shown in, then the high arm's payout. Same seed + same answer = same reward.
+
+  python env_bandit.py --preset Bandit              # play in the terminal
+  python env_bandit.py --preset Bandit --random 2000  # random-policy success and payout means
+"""
+import argparse
+import random
+
+import numpy as np
+
+# ragen/env/bandit/env.py INIT_PROMPT; three lines end with a space, as in RAGEN
+INIT_PROMPT = """You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. 
+Game Rules: 
+1. There are 2 arms, named {name_a} and {name_b}
+2. Each arm has its own reward distribution, related to their names. 
+3. Analyze the symbolic meaning of each arm's name to guess how their reward distribution might behave.
+4. Based on the symbolic meaning of their names, which arm do you think is more likely to give higher rewards on average? Choose between {name_a} and {name_b}, and output like <answer> {name_a} </answer> or <answer> {name_b} </answer>.
+"""
+
+
+def bandit_preset(lo, hi):
+    # RAGEN builds no legend or action list for the bandit (its action names are only known after
+    # reset), so the prompt prefix is empty and the whole game text is the observation
+    return dict(kwargs=dict(lo_arm_name=lo, hi_arm_name=hi), instruction="", max_actions_per_traj=1,
+                max_tokens=100)
+
+
+PRESETS = {
+    "Bandit": bandit_preset("Phoenix", "Dragon"),       # config/envs.yaml Bandit (paper Fig. 3)
+    "BanditTest": bandit_preset("Trader", "Librarian"),  # config/envs.yaml BanditTest (val of _1_bandit.yaml)
+    # The paper's generalisation pair (§4.4, "train on Teacher/Engineer, test on Librarian/Trader"), as
+    # RAGEN's train_all.sh runs it by overriding the Bandit names: the "generalization" run ...
+    "BanditGen": bandit_preset("Engineer", "Teacher"),
+    "BanditGenTest": bandit_preset("Trader", "Librarian"),
+    # ... and the "rev" run, which swaps which name of each pair is the risky one. (The paper's
+    # Bandit-Rev example "Librarian = high-risk" matches the script's non-rev run: the naming in
+    # script and paper disagree, see RAGEN_SPEC §2.2.)
+    "BanditRev": bandit_preset("Teacher", "Engineer"),
+    "BanditRevTest": bandit_preset("Librarian", "Trader"),
+}
+
+
+class BanditEnv:
+    def __init__(self, lo_arm_name="Phoenix", hi_arm_name="Dragon", lo_arm_score=0.1, hi_arm_hiscore=1.0,
+                 hi_arm_loscore=0.0, hi_arm_hiscore_prob=0.25):
+        if not lo_arm_name.strip() or lo_arm_name.strip().lower() == hi_arm_name.strip().lower():
+            raise ValueError(f"arm names must be non-empty and differ: {lo_arm_name!r}, {hi_arm_name!r}")
+        self.lo_arm_name, self.hi_arm_name = lo_arm_name, hi_arm_name
+        self.lo_arm_score, self.hi_arm_hiscore = lo_arm_score, hi_arm_hiscore
+        self.hi_arm_loscore, self.hi_arm_hiscore_prob = hi_arm_loscore, hi_arm_hiscore_prob
+        self.names, self.obs = None, None
+
+    def reset(self, seed):
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        self.rng = np.random.default_rng(seed)  # = gymnasium seeding.np_random(seed)
+        # RAGEN _randomize_arms: with probability 1/2 the low arm is shown first
+        lo_first = self.rng.random() < 0.5
+        self.names = [self.lo_arm_name, self.hi_arm_name] if lo_first else [self.hi_arm_name, self.lo_arm_name]
+        self.obs = INIT_PROMPT.format(name_a=self.names[0], name_b=self.names[1])
+        self.done, self.success = False, False
+        return self.obs
+
+    def render(self):
+        if self.obs is None:
+            raise RuntimeError("call reset(seed) first")
+        return self.obs
+
+    def actions(self):
+        if self.names is None:
+            raise RuntimeError("call reset(seed) first")
+        return list(self.names)
+
+    def step(self, action):
+        # RAGEN es_manager maps the answer to an arm by case-insensitive exact name match
+        answer = action.strip().lower() if isinstance(action, str) else None
+        arm = next((name for name in self.actions() if name.lower() == answer), None)
+        if self.done or arm is None:  # invalid: nothing happens
+            info = dict(action_is_valid=False, action_is_effective=False, success=self.success)
+            return self.obs, 0.0, self.done, info
+        if arm == self.hi_arm_name:  # RAGEN _hi_arm_reward
+            win = self.rng.random() < self.hi_arm_hiscore_prob
+            reward = self.hi_arm_hiscore if win else self.hi_arm_loscore
+        else:
+            reward = self.lo_arm_score
+        self.obs, self.done = f"{arm}: {reward} points", True
+        self.success = arm == self.hi_arm_name
+        info = dict(action_is_valid=True, action_is_effective=True, success=self.success)
+        return self.obs, reward, True, info
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Play the bandit, or print statistics over many seeds")
+    parser.add_argument("--preset", default="Bandit", choices=list(PRESETS), help="RAGEN tag")
+    parser.add_argument("--seed", type=int, default=0, help="episode seed (first seed with --random)")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="statistics over N seeds instead of play")
+    args = parser.parse_args()
+    env = BanditEnv(**PRESETS[args.preset]["kwargs"])
+    if args.random:
+        seeds = range(args.seed, args.seed + args.random)
+        wins = 0
+        for seed in seeds:  # a random policy picks either shown name with probability 1/2
+            env.reset(seed)
+            wins += env.step(random.Random(seed).choice(env.actions()))[3]["success"]
+        payout = {env.lo_arm_name: 0.0, env.hi_arm_name: 0.0}
+        for name in payout:  # always pulling one arm
+            for seed in seeds:
+                env.reset(seed)
+                payout[name] += env.step(name)[1] / len(seeds)
+        print(f"{args.preset}: {args.random} seeds from {args.seed}; "
+              f"random policy success {wins / len(seeds):.3f}; "
+              + "; ".join(f"mean payout of {name} {mean:.4f}" for name, mean in payout.items()))
+    else:
+        print(env.reset(args.seed))
+        answer = input("answer: ")
+        obs, reward, done, info = env.step(answer)
+        print(f"{obs}\nreward {reward} done {done} {info}")

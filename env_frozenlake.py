@@ -1,0 +1,173 @@
+"""FrozenLake as RAGEN plays it (ragen/env/frozen_lake on gymnasium's toy_text FrozenLake), without gym.
+
+A random 4x4 lake: each tile is frozen with probability 0.8 (else a hole), start and goal are random
+distinct tiles, and the map is redrawn until a 4-connected path joins them. The ice is slippery:
+the player moves in the intended direction or in one of the two perpendicular ones, 1/3 each, and
+bumping into the edge means staying put. The episode ends in a hole (reward 0) or on the goal (+1).
+Randomness: the map comes from gymnasium's seeding.np_random(seed) (a numpy Generator), the slips
+from a second Generator with the same seed, of which reset draws one number (gymnasium samples
+the start state with it), so a seed gives RAGEN's map and RAGEN's slips.
+
+  python env_frozenlake.py --seed 3         # play in the terminal
+  python env_frozenlake.py --random 1000    # random-policy success rate
+"""
+import argparse
+import random
+
+import numpy as np
+
+ACTIONS = ["Left", "Down", "Right", "Up"]     # RAGEN action_lookup 1..4 -> gymnasium actions 0..3
+MOVES = [(0, -1), (1, 0), (0, 1), (-1, 0)]    # gymnasium LEFT, DOWN, RIGHT, UP
+# RAGEN grid_lookup / grid_vocab: the start tile is drawn as plain ice
+LEGEND = {"P": "player", "_": "empty", "O": "hole", "G": "goal", "X": "player in hole", "√": "player on goal"}
+
+FROZENLAKE_INSTRUCTION = (  # config/envs.yaml FrozenLake env_instruction, typos included
+    "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to the "
+    "unintended direction due to the slippery ice. Example answer format: <think>To forbid the hole and go "
+    "to the target, I should go left then go up.</think><answer>Left || Up</answer>")
+
+
+def make_instruction(max_actions):
+    # ragen/llm_agent/ctx_manager.py: env_instruction + symbol legend + action list + action budget
+    return (FROZENLAKE_INSTRUCTION + "\nThe meaning of each symbol in the state is:\n"
+            + ", ".join(f"{k}: {v}" for k, v in LEGEND.items())
+            + "\nYour available actions are:\n" + ", ".join(ACTIONS)
+            + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
+
+
+PRESETS = {  # config/envs.yaml FrozenLake: env_config null = FrozenLakeEnvConfig defaults
+    "FrozenLake": dict(kwargs=dict(size=4, p=0.8, is_slippery=True), instruction=make_instruction(10),
+                       max_actions_per_traj=10, max_tokens=100),
+}
+
+
+def has_path(desc, start):
+    """Is the goal reachable from start without crossing a hole (4-connected)?"""
+    size, seen, todo = len(desc), {start}, [start]
+    while todo:
+        r, c = todo.pop()
+        if desc[r][c] == "G":
+            return True
+        for dr, dc in MOVES:
+            q = (r + dr, c + dc)
+            if 0 <= q[0] < size and 0 <= q[1] < size and q not in seen and desc[q[0]][q[1]] != "H":
+                seen.add(q)
+                todo.append(q)
+    return False
+
+
+def generate_map(size, p, seed):
+    """RAGEN generate_random_map (ragen/env/frozen_lake/utils.py): rows of S/F/H/G, redrawn until solvable."""
+    rng = np.random.default_rng(seed)  # = gymnasium seeding.np_random(seed)
+    while True:
+        board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])
+        while True:  # start and goal: uniform, distinct
+            start = (int(rng.integers(0, size)), int(rng.integers(0, size)))
+            goal = (int(rng.integers(0, size)), int(rng.integers(0, size)))
+            if start != goal:
+                break
+        board[start], board[goal] = "S", "G"
+        desc = ["".join(row) for row in board]
+        if has_path(desc, start):
+            return desc
+
+
+class FrozenLakeEnv:
+    def __init__(self, size=4, p=0.8, is_slippery=True):
+        if size < 2 or not 0 < p <= 1:
+            raise ValueError(f"need size >= 2 and 0 < p <= 1, got size={size}, p={p}")
+        self.size, self.p, self.is_slippery = size, p, is_slippery
+        self.desc = None
+
+    def reset(self, seed):
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        self.desc = generate_map(self.size, self.p, seed)
+        self.rng = np.random.default_rng(seed)  # gymnasium reset(seed) seeds the slip generator ...
+        self.rng.random()                       # ... and spends one draw on the (single) start tile
+        self.pos = next((r, row.index("S")) for r, row in enumerate(self.desc) if "S" in row)
+        self.done = False
+        return self.render()
+
+    def load(self, text):
+        """Start an episode from a lake given as text (tests, hand-made maps); slips use seed 0."""
+        rows = text.strip("\n").split("\n")
+        if len(rows) < 2 or any(len(row) != len(rows) or set(row) - set(LEGEND) for row in rows) \
+                or sum(row.count(g) for row in rows for g in "PX√") != 1:
+            raise ValueError(f"a lake is a square of {''.join(LEGEND)} with one player, got:\n{text}")
+        self.pos = next((r, c) for r, row in enumerate(rows) for c, g in enumerate(row) if g in "PX√")
+        tile = {"_": "F", "P": "F", "O": "H", "X": "H", "√": "G", "G": "G"}
+        self.desc = ["".join(tile[g] for g in row) for row in rows]
+        self.rng, self.done = np.random.default_rng(0), self.desc[self.pos[0]][self.pos[1]] in "GH"
+        return self.render()
+
+    def render(self):
+        if self.desc is None:
+            raise RuntimeError("call reset(seed) first")
+        tile = {"S": "_", "F": "_", "H": "O", "G": "G"}
+        grid = [[tile[t] for t in row] for row in self.desc]
+        r, c = self.pos
+        grid[r][c] = {"H": "X", "G": "√"}.get(self.desc[r][c], "P")
+        return "\n".join("".join(row) for row in grid)
+
+    def actions(self):
+        return list(ACTIONS)
+
+    def step(self, action):
+        if self.desc is None:
+            raise RuntimeError("call reset(seed) first")
+        name = action.strip().capitalize() if isinstance(action, str) else None
+        if self.done or name not in ACTIONS:  # invalid: nothing happens
+            info = dict(action_is_valid=False, action_is_effective=False, success=self._on("G"))
+            return self.render(), 0.0, self.done, info
+        a = ACTIONS.index(name)
+        if self.is_slippery:  # gymnasium: outcomes [(a-1)%4, a, (a+1)%4], 1/3 each, via cumsum > uniform
+            u = self.rng.random()
+            a = (a - 1) % 4 if u < 1 / 3 else a if u < 2 / 3 else (a + 1) % 4
+        old, n = self.pos, len(self.desc)
+        r = min(max(old[0] + MOVES[a][0], 0), n - 1)  # the edge keeps you in place
+        c = min(max(old[1] + MOVES[a][1], 0), n - 1)
+        self.pos = (r, c)
+        self.done = self._on("G") or self._on("H")
+        reward = 1.0 if self._on("G") else 0.0
+        return self.render(), reward, self.done, dict(action_is_valid=True, action_is_effective=self.pos != old,
+                                                      success=self._on("G"))
+
+    def _on(self, tile):
+        return self.desc[self.pos[0]][self.pos[1]] == tile
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Play FrozenLake, or print statistics over many seeds")
+    parser.add_argument("--preset", default="FrozenLake", choices=list(PRESETS), help="RAGEN tag")
+    parser.add_argument("--seed", type=int, default=0, help="map seed (first seed with --random)")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="statistics over N seeds instead of play")
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    env = FrozenLakeEnv(**preset["kwargs"])
+    if args.random:
+        budget, wins, holes = preset["max_actions_per_traj"], 0, 0
+        for seed in range(args.seed, args.seed + args.random):
+            env.reset(seed)
+            policy = random.Random(seed)
+            for _ in range(budget):
+                _, _, done, info = env.step(policy.choice(ACTIONS))
+                if done:
+                    break
+            wins, holes = wins + info["success"], holes + env._on("H")
+        print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy ({budget} actions): "
+              f"success {wins / args.random:.3f}, fell in a hole {holes / args.random:.3f}")
+    else:
+        print(preset["instruction"])
+        obs, done = env.reset(args.seed), False
+        print(obs)
+        while not done:
+            try:
+                action = input(f"action ({', '.join(ACTIONS)}; q quits): ")
+            except EOFError:
+                break
+            if action.strip().lower() == "q":
+                break
+            obs, reward, done, info = env.step(action)
+            print(f"{obs}\nreward {reward} done {done} {info}")
