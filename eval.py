@@ -1,0 +1,285 @@
+"""
+Evaluate a model or a trained checkpoint on fixed validation seeds, and plot a run's training curves.
+
+    python eval.py --model smollm2 --env bandit --no-think               # a hub id, a directory, smollm2, tiny
+    python eval.py --model runs/Bandit-ppo-xyz --env Bandit BanditTest   # a run dir: loads <run>/hf, takes its flags
+    python eval.py --model runs/Bandit-ppo-xyz --samples 8 --greedy     # pass@1..8 with 8 samples per seed
+    python eval.py --plot runs/Bandit-ppo-xyz                            # -> runs/Bandit-ppo-xyz/curves.png
+
+RAGEN's validation protocol (RAGEN_SPEC §4.5): seeds 123, 124, ... one group of one env per seed, sampling
+at temperature 0.5, the training budgets of turns and actions. With --samples k every seed becomes a group of
+k episodes from the same initial state, and pass@j (j <= k) uses the unbiased estimator of the Codex paper.
+Episodes are played by rollout.rollout(), the same agent loop that training uses; this file only counts.
+"""
+import argparse
+import fnmatch
+import json
+import os
+import sys
+import time
+
+import torch
+
+import env_bandit
+import env_frozenlake
+import env_sokoban
+import env_webshop
+from rollout import load_model, rollout
+
+# every preset of every env file, plus short names (the same lookup as train.py, duplicated on purpose)
+ENV_CLASSES = {}
+for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, env_sokoban),
+                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop)]:
+    for _name, _preset in _mod.PRESETS.items():
+        ENV_CLASSES[_name] = (_cls, _preset)
+SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop"}
+# flags a run directory's args.json provides as defaults (its validation settings become ours)
+FROM_RUN = dict({k: k for k in ("no_think", "max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens",
+                                 "max_context", "format_penalty", "val_seed")}, temperature="val_temperature", env="val_env")
+DEFAULTS = dict(no_think=False, max_turns=5, max_actions_per_turn=5, max_actions_per_traj=None, max_new_tokens=400,
+                max_context=3600, format_penalty=-0.1, temperature=0.5, val_seed=123, env=None)
+
+
+def die(msg):
+    print(f"eval.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def preset_name(name):
+    """'sokoban' -> 'SimpleSokoban'; preset names are matched case-insensitively."""
+    name = SHORT_NAMES.get(name.lower(), name)
+    for known in ENV_CLASSES:
+        if known.lower() == name.lower():
+            return known
+    die(f"unknown env or preset {name!r}; choose from {sorted(SHORT_NAMES)} or {sorted(ENV_CLASSES)}")
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c succeeded: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+    Codex paper), as the numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    prob_all_fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_fail *= 1.0 - k / i
+    return 1.0 - prob_all_fail
+
+
+def episode_records(out, tok, preset_key, seeds, sample_of):
+    """One JSON-ready dict per episode: every turn's prompt (the exact tokens the model was given, decoded)
+    and response (raw text, parsed think and actions, reward, env info), the score and success."""
+    records = []
+    for b in range(len(out["scores"])):
+        tokens, sampled = out["tokens"][b].tolist(), out["loss_mask"][b].tolist()
+        turns, prev_end = [], -1
+        for end, resp in zip(out["turn_ends"][b], out["responses"][b]):
+            start = end
+            while start > 0 and sampled[start - 1]:  # the turn's sampled tokens are one contiguous span
+                start -= 1
+            turns.append(dict(prompt=tok.decode(tokens[prev_end + 1:start]), **resp))
+            prev_end = end
+        records.append(dict(preset=preset_key, seed=seeds[b], sample=sample_of[b], success=bool(out["success"][b]),
+                            score=round(float(out["scores"][b]), 6), penalty=round(float(out["penalty"][b]), 6),
+                            turn_rewards=out["turn_rewards"][b],
+                            stats={k: v[b].item() for k, v in out["stats"].items()},
+                            turns=turns, text=out["text"][b]))
+    return records
+
+
+def summarize(records, samples):
+    """The table row of one preset: rates over episodes, pass@k averaged over seeds."""
+    n, mean = len(records), lambda xs: sum(xs) / max(len(xs), 1)
+    st = lambda k: [r["stats"][k] for r in records]
+    wins = {}
+    for r in records:
+        wins[r["seed"]] = wins.get(r["seed"], 0) + r["success"]
+    valid, invalid, errors = sum(st("valid_actions")), sum(st("invalid_actions")), sum(st("format_errors"))
+    row = dict(episodes=n, success=mean([r["success"] for r in records]))
+    for k in sorted({samples} | {2 ** i for i in range(1, 12) if 2 ** i < samples} - {1}):  # pass@1 = success
+        row[f"pass@{k}"] = mean([pass_at_k(samples, c, k) for c in wins.values()])
+    row.update(score=mean([r["score"] for r in records]),
+               valid_action_rate=valid / (valid + invalid) if valid + invalid else None,  # None: no action proposed
+               format_ok_rate=1.0 - errors / max(sum(st("num_turns")), 1),
+               turns=mean(st("num_turns")), response_tokens=mean(st("response_tokens")),
+               think_tokens=mean(st("think_tokens")))
+    return row
+
+
+def print_table(rows):
+    """A markdown table, one row per preset (pastes into the README as it is)."""
+    cols = list(next(iter(rows.values())))
+    print("| preset | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, row in rows.items():
+        cells = ["-" if v is None else str(v) if isinstance(v, int) else f"{v:.3f}" for v in row.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def evaluate(args):
+    run_dir, args.model = None, os.path.expanduser(args.model)
+    if os.path.isdir(args.model) and os.path.exists(os.path.join(args.model, "args.json")):
+        run_dir, model_path = args.model, os.path.join(args.model, "hf")
+        if not os.path.isdir(model_path):
+            die(f"run directory {run_dir} has no hf/ (the run has not saved a checkpoint yet)")
+        run_args = json.load(open(os.path.join(run_dir, "args.json")))
+        for ours, theirs in FROM_RUN.items():
+            if getattr(args, ours) is None and theirs in run_args:
+                setattr(args, ours, run_args[theirs])
+    else:
+        model_path = args.model
+        looks_like_path = model_path.startswith((".", "/", "~")) or model_path.count("/") > 1 or (
+            "/" in model_path and os.path.isdir(model_path.split("/")[0]))
+        if looks_like_path and not os.path.isdir(model_path):
+            die(f"no model directory {model_path}")
+    if os.path.isdir(model_path) and not os.path.exists(os.path.join(model_path, "config.json")):
+        die(f"{model_path} is not a model directory (no config.json)")
+    for k, v in DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if not args.env:
+        die("give --env (a preset or short name); only a run directory provides a default")
+    presets = [preset_name(e) for e in args.env]
+    if args.samples < 1 or args.num_seeds < 1 or args.temperature <= 0:
+        die("--samples and --num-seeds must be >= 1 and --temperature > 0")
+    if args.out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = os.path.basename(os.path.normpath(args.model)) or "model"
+        args.out = os.path.join(run_dir, f"eval-{stamp}") if run_dir else os.path.join("runs", f"eval-{base}-{stamp}")
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        die("--device cuda, but torch sees no GPU")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    try:  # bf16 on GPU like train.py's rollout copy, fp32 on CPU
+        model, tok = load_model(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
+    os.makedirs(args.out, exist_ok=True)
+    mode = "greedy" if args.greedy else f"T={args.temperature}"
+    print(f"{args.model} on {presets} | {args.num_seeds} seeds from {args.val_seed} x {args.samples} samples, {mode}, "
+          f"think={not args.no_think}, {args.max_turns} turns x {args.max_new_tokens} tokens | {device} -> {args.out}")
+
+    rows = {}
+    generator = torch.Generator(device).manual_seed(args.sample_seed)
+    for key in presets:
+        cls, preset = ENV_CLASSES[key]
+        preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
+        groups_per_call = max(1, args.batch_size // args.samples)  # bounded KV-cache memory
+        records, t0, envs = [], time.time(), []
+        for g0 in range(0, args.num_seeds, groups_per_call):
+            gs = range(g0, min(g0 + groups_per_call, args.num_seeds))
+            seeds = [args.val_seed + g for g in gs for _ in range(args.samples)]  # [B] k samples share a seed
+            envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
+            out = rollout(model, tok, envs[:len(seeds)], seeds, preset, group_size=args.samples,
+                          max_turns=args.max_turns, max_actions_per_turn=args.max_actions_per_turn,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          greedy=args.greedy, think=not args.no_think, max_context=args.max_context,
+                          format_penalty=args.format_penalty, kv_reuse=not args.no_kv_reuse, generator=generator,
+                          split=args.split if cls is env_webshop.WebShopEnv else None)
+            records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
+        elapsed = time.time() - t0
+        with open(os.path.join(args.out, f"{key}.jsonl"), "w") as f:
+            for r in records:
+                f.write(json.dumps(r, default=str) + "\n")  # default=str: env info may hold non-JSON values
+        rows[key] = summarize(records, args.samples)
+        print(f"{key}: {len(records)} episodes in {elapsed:.1f}s "
+              f"({sum(r['stats']['response_tokens'] for r in records) / elapsed:.0f} sampled tokens/s)")
+    print_table(rows)
+    json.dump(dict(args=vars(args), results=rows), open(os.path.join(args.out, "summary.json"), "w"), indent=1)
+    return rows
+
+
+# the paper's collapse indicators (Fig. 6) and the rest of the dashboard: (title, metric key patterns)
+PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
+          ("score (reward)", ["train/*/score", "val-env/*/score"]),
+          ("in-group reward std", ["rollout/in_group_std", "rollout/chosen_in_group_std"]),
+          ("entropy", ["actor/entropy"]),
+          ("grad norm", ["actor/grad_norm", "critic/grad_norm"]),
+          ("tokens per episode", ["train/*/response_tokens", "train/*/think_tokens"]),
+          ("kept fraction", ["rollout/kept_fraction"]),
+          ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"])]
+
+
+def plot_run(run_dir):
+    """Draw the training curves of <run_dir>/metrics.jsonl into <run_dir>/curves.png; returns its path."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        die("--plot needs matplotlib: pip install matplotlib")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        die(f"no metrics.jsonl in {run_dir}")
+    series = {}  # key -> ([steps], [values]); validation keys appear only on validation steps
+    for line in open(path):
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            continue
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                series.setdefault(k, ([], []))[0].append(m["step"])
+                series[k][1].append(v)
+    for k in [k for k in series if k.endswith("/format_errors")]:  # per-step ratio of means = ratio of sums
+        prefix, (steps, errors) = k[:-len("format_errors")], series[k]
+        turns = series.get(prefix + "num_turns")
+        if turns is not None and turns[0] == steps:
+            series[prefix + "format_ok_rate"] = (steps, [1 - e / max(t, 1e-9) for e, t in zip(errors, turns[1])])
+    if not any(fnmatch.fnmatch(k, p) for k in series for _, ps in PANELS for p in ps):
+        die(f"{path} holds none of the metrics to plot")
+    fig, axes = plt.subplots(2, 4, figsize=(18, 6.8))  # one panel per PANELS entry
+    for ax, (title, patterns) in zip(axes.flat, PANELS):
+        for k in sorted(k for k in series if any(fnmatch.fnmatch(k, p) for p in patterns)):
+            steps, values = series[k]
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=k)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+    fig.tight_layout()
+    out = os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plot", default=None, metavar="RUN_DIR", help="draw the run's training curves into RUN_DIR/curves.png")
+    p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
+    p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
+    p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
+    p.add_argument("--val-seed", type=int, default=None, help="first seed (RAGEN seed.val = 123)")
+    p.add_argument("--samples", type=int, default=1, help="episodes per seed, for pass@k")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (RAGEN val: 0.5)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler's random draws")
+    p.add_argument("--no-think", action="store_true", default=None, help="answer-only mode (enable_think=False)")
+    p.add_argument("--think", dest="no_think", action="store_false", help="thinking on, overriding a run's --no-think")
+    p.add_argument("--max-turns", type=int, default=None, help="default 5 (a run dir: its own value, as below)")
+    p.add_argument("--max-actions-per-turn", type=int, default=None, help="default 5")
+    p.add_argument("--max-actions-per-traj", type=int, default=None, help="default: the preset's")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="response tokens per turn, default 400")
+    p.add_argument("--max-context", type=int, default=None, help="default 3600")
+    p.add_argument("--format-penalty", type=float, default=None, help="default -0.1")
+    p.add_argument("--no-kv-reuse", action="store_true")
+    p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")
+    p.add_argument("--batch-size", type=int, default=128, help="episodes per rollout call (memory only)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>)")
+    args = p.parse_args(argv)
+    if args.plot:
+        print(plot_run(args.plot))
+    elif args.model is None:
+        die("give --model (or --plot RUN_DIR)")
+    else:
+        evaluate(args)
+
+
+if __name__ == "__main__":
+    main()
