@@ -161,7 +161,6 @@ def evaluate(args):
           f"think={not args.no_think}, {args.max_turns} turns x {args.max_new_tokens} tokens | {device} -> {args.out}")
 
     rows = {}
-    generator = torch.Generator(device).manual_seed(args.sample_seed)
     for key in presets:
         cls, preset = ENV_CLASSES[key]
         preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
@@ -175,7 +174,7 @@ def evaluate(args):
                           max_turns=args.max_turns, max_actions_per_turn=args.max_actions_per_turn,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           greedy=args.greedy, think=not args.no_think, max_context=args.max_context,
-                          format_penalty=args.format_penalty, kv_reuse=not args.no_kv_reuse, generator=generator,
+                          format_penalty=args.format_penalty, kv_reuse=not args.no_kv_reuse, sample_seed=args.sample_seed,
                           split=args.split if cls is env_webshop.WebShopEnv else None)
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
         elapsed = time.time() - t0

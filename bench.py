@@ -1,0 +1,157 @@
+"""Performance measurements, printed side by side from one run. One function per measurement.
+
+  python bench.py                                  # CPU: smollm2, batch 32: our sampler vs HF generate, KV reuse vs re-prefill
+  python bench.py --only sampler --batch 8 --new-tokens 32
+  python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
+
+"qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
+"""
+import argparse
+import time
+
+import torch
+
+import rollout
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def first_turn_prompts(tok, batch):
+    """RAGEN first-turn Sokoban prompts for seeds 0..batch-1, made ragged by dropping i % 9 tokens."""
+    from env_sokoban import PRESETS, SokobanEnv
+    preset = PRESETS["SimpleSokoban"]
+    head, gen, _, _ = rollout.chat_pieces(tok)
+    prompts = []
+    for i in range(batch):
+        env = SokobanEnv(**preset["kwargs"])
+        user = preset["instruction"] + rollout.turn_prompt(preset, 1, env.reset(i), preset["max_actions_per_traj"], True)
+        ids = tok.encode(head + user + gen + "<think>", add_special_tokens=False)
+        cut = len(tok.encode(head, add_special_tokens=False))
+        prompts.append(ids[:cut] + ids[cut + i % 9:])
+    return prompts
+
+
+def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0):
+    """Same prompts, same settings (T=1, top-p 1, no top-k, exactly new_tokens per row): tokens/s of each."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=device)   # [B, L] left-padded for HF
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
+
+    def ours(n):
+        return rollout.generate(model, prompts, n, stop_ids=(), temperature=1.0, seed=0)
+
+    def hf(n):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
+    rows = {}
+    for name, fn in (("ours", ours), ("hf_generate", hf)):
+        fn(4)  # warm-up (and, on CUDA, compilation / graph capture for the short run)
+        if torch.device(device).type == "cuda":
+            fn(new_tokens)
+        sync(device)
+        t = time.perf_counter()
+        fn(new_tokens)
+        sync(device)
+        rows[name] = time.perf_counter() - t
+    for name, s in rows.items():
+        print(f"{name:12s} batch {B}  prompt {min(map(len, prompts))}-{L} tok  {new_tokens} new/row  "
+              f"{s:7.2f} s  {B * new_tokens / s:8.1f} tok/s (prefill included)")
+    print(f"ratio ours/hf_generate tokens/s: {rows['hf_generate'] / rows['ours']:.2f}x")
+    return rows
+
+
+def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens):
+    """A multi-turn Sokoban rollout, with the KV cache kept across turns vs the whole history re-prefilled."""
+    from env_sokoban import PRESETS, SokobanEnv
+    preset = PRESETS["SimpleSokoban"]
+    seeds = [i // group_size for i in range(batch)]
+    run = lambda reuse, n_turns, n_tok: rollout.rollout(
+        model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
+        max_turns=n_turns, max_new_tokens=n_tok, kv_reuse=reuse, sample_seed=0)
+    run(True, 1, 2)  # warm-up
+    rows = {}
+    for reuse in (True, False):
+        t = time.perf_counter()
+        out = run(reuse, turns, turn_tokens)
+        rows[reuse] = (time.perf_counter() - t, out)
+    (a, out_a), (b, out_b) = rows[True], rows[False]
+    same = torch.equal(out_a["tokens"], out_b["tokens"])
+    lp = (out_a["old_logp"] - out_b["old_logp"]).abs().max().item() if same else float("nan")
+    print(f"kv_reuse     batch {batch} (groups of {group_size})  {turns} turns x <= {turn_tokens} tok  "
+          f"final length {out_a['tokens'].shape[1]} tok  turns played {out_a['stats']['num_turns'].mean():.1f}")
+    print(f"  reuse {a:7.2f} s   re-prefill {b:7.2f} s   speed-up {b / a:.2f}x   "
+          f"same tokens: {same}   max |logp diff| {lp:.1e}")
+    return rows
+
+
+def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
+    """Decode-only tokens/s at a given context, and its fraction of the memory-bandwidth floor
+    (PERF_AND_PEERS.md 2.2: weights except the input embedding + every row's K/V read once per step)."""
+    cfg = model.config
+    V = cfg.vocab_size
+    prompts = torch.randint(0, V, (batch, prompt_len)).tolist()
+    step_ms = []
+    for n in (1, 1 + new_tokens):  # decode time = (prefill + n steps) - (prefill + 1 step)
+        for _ in range(2):         # first call of each length warms up / captures
+            sync(device)
+            t = time.perf_counter()
+            rollout.generate(model, prompts, n, stop_ids=(), seed=0)
+            sync(device)
+        step_ms.append(time.perf_counter() - t)
+    per_step = (step_ms[1] - step_ms[0]) / new_tokens
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - model.model.embed_tokens.weight.numel() * \
+        model.model.embed_tokens.weight.element_size() * (0 if cfg.tie_word_embeddings else 1)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_tok = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * model.lm_head.weight.element_size()
+    floor = (weights + batch * (prompt_len + new_tokens / 2) * kv_per_tok) / bandwidth
+    print(f"decode       batch {batch}  context {prompt_len}+{new_tokens}  {per_step * 1e3:.2f} ms/step  "
+          f"{batch / per_step:9.0f} tok/s   floor {floor * 1e3:.2f} ms/step at {bandwidth / 1e12:.2f} TB/s  "
+          f"-> {floor / per_step:.0%} of the floor")
+    return per_step, floor
+
+
+def qwen25_05b_random(device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                      rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "decode"], help="which measurement")
+    parser.add_argument("--batch", type=int, default=32, help="rows sampled together")
+    parser.add_argument("--new-tokens", type=int, default=64, help="sampler bench: tokens per row")
+    parser.add_argument("--group-size", type=int, default=8, help="kv bench: rows per group (shared first prompt)")
+    parser.add_argument("--turns", type=int, default=5, help="kv bench: turns per episode")
+    parser.add_argument("--turn-tokens", type=int, default=48, help="kv bench: max new tokens per turn")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="decode bench: context length")
+    parser.add_argument("--bandwidth", type=float, default=3.35e12, help="decode bench: memory bandwidth, bytes/s")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    print(f"torch {torch.__version__}  device {args.device}  dtype {dtype}  threads {torch.get_num_threads()}")
+    if args.model == "qwen2.5-0.5b-random":
+        model, tok = qwen25_05b_random(args.device, dtype), None
+    else:
+        model, tok = rollout.load_model(args.model, device=args.device, dtype=dtype)
+    if tok is not None and args.only in ("all", "sampler"):
+        time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0)
+    if tok is not None and args.only in ("all", "kv"):
+        time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
+    if args.only == "decode" or (args.only == "all" and args.device.startswith("cuda")):
+        time_decode_floor(model, args.batch, args.prompt_len, args.new_tokens, args.device, args.bandwidth)
+    if tok is None and args.only in ("all", "sampler"):  # the random-weight model: HF generate on random prompts
+        time_ours_vs_hf(model, torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len)).tolist(),
+                        args.new_tokens, args.device)

@@ -1,0 +1,1637 @@
+"""All tests of the project: CPU-first, tiny random models, a few minutes on 2 cores.
+
+    python -m pytest -q test_all.py
+
+Each section tests one file against an independent reference: hand-worked cases, slow plain-Python
+loops, a brute-force solver, a full-recompute sampler, a 1-process run for the 2-process torchrun run.
+"""
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from env_bandit import BanditEnv, PRESETS as BANDIT_PRESETS
+from env_frozenlake import FrozenLakeEnv, PRESETS as FROZENLAKE_PRESETS, has_path
+from env_sokoban import SokobanEnv, PRESETS as SOKOBAN_PRESETS, solve
+import env_webshop as W
+import eval as ev
+import rollout
+import starpo
+
+
+# ==================================================================================================
+# Environments: Bandit, Sokoban, FrozenLake (env_*.py)
+# ==================================================================================================
+
+ALL_PRESETS = [(BanditEnv, BANDIT_PRESETS), (SokobanEnv, SOKOBAN_PRESETS), (FrozenLakeEnv, FROZENLAKE_PRESETS)]
+ENV_PRESETS = [(cls, name) for cls, presets in ALL_PRESETS for name in presets]
+
+
+def test_presets_follow_the_interface():
+    assert set(BANDIT_PRESETS) == {"Bandit", "BanditTest", "BanditGen", "BanditGenTest", "BanditRev", "BanditRevTest"}
+    assert set(SOKOBAN_PRESETS) == {"SimpleSokoban", "LargerSokoban", "SokobanNewVocab"}
+    assert set(FROZENLAKE_PRESETS) == {"FrozenLake"}
+    for cls, name in ENV_PRESETS:
+        preset = (BANDIT_PRESETS | SOKOBAN_PRESETS | FROZENLAKE_PRESETS)[name]
+        assert set(preset) == {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"}
+        env = cls(**preset["kwargs"])
+        assert isinstance(env.reset(0), str) and env.render() == env.reset(0)
+        assert preset["max_tokens"] == 100
+    assert all(p["instruction"] == "" and p["max_actions_per_traj"] == 1 for p in BANDIT_PRESETS.values())
+
+
+def test_no_heavy_imports():
+    code = ("import sys, env_bandit, env_sokoban, env_frozenlake; "
+            "bad = {'torch', 'transformers', 'gym', 'gymnasium'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_instructions_are_ragens_prefix():
+    # RAGEN_SPEC §3.1: the exact first user message prefix for SimpleSokoban
+    expected = (
+        "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
+        "When you are right next to a box, you can push it by moving in the same direction. You cannot push a "
+        "box through a wall, and you cannot pull a box. The answer should be a sequence of actions, like "
+        "<answer>Right || Right || Up</answer>\n"
+        "The meaning of each symbol in the state is:\n"
+        "#: wall, _: empty, O: target, √: box on target, X: box, P: player, S: player on target\n"
+        "Your available actions are:\n"
+        "Up, Down, Left, Right\n"
+        'You can make up to 10 actions, separated by the action separator " || "\n')
+    assert SOKOBAN_PRESETS["SimpleSokoban"]["instruction"] == expected
+    assert SOKOBAN_PRESETS["LargerSokoban"]["instruction"] == expected
+    new = SOKOBAN_PRESETS["SokobanNewVocab"]["instruction"]
+    assert "W: wall, .: empty, G: target, C: box on target, B: box, A: player, @: player on target\n" in new
+    fl = FROZENLAKE_PRESETS["FrozenLake"]["instruction"]
+    assert fl.startswith("You are solving the FrozenLake puzzle. Forbid the whole and go to the target.")
+    assert fl.endswith("</answer>\nThe meaning of each symbol in the state is:\n"
+                       "P: player, _: empty, O: hole, G: goal, X: player in hole, √: player on goal\n"
+                       "Your available actions are:\nLeft, Down, Right, Up\n"
+                       'You can make up to 10 actions, separated by the action separator " || "\n')
+
+
+@pytest.mark.parametrize("cls,name", ENV_PRESETS)
+def test_same_seed_same_trajectory(cls, name):
+    preset = (BANDIT_PRESETS | SOKOBAN_PRESETS | FROZENLAKE_PRESETS)[name]
+    for seed in range(30):
+        a, b = cls(**preset["kwargs"]), cls(**preset["kwargs"])
+        assert a.reset(seed) == b.reset(seed)
+        policy = random.Random(seed)
+        for _ in range(12):
+            action = policy.choice(a.actions() + ["junk"])
+            assert a.step(action) == b.step(action)
+
+
+@pytest.mark.parametrize("cls,name", ENV_PRESETS)
+def test_garbage_actions_never_raise(cls, name):
+    preset = (BANDIT_PRESETS | SOKOBAN_PRESETS | FROZENLAKE_PRESETS)[name]
+    env, rng = cls(**preset["kwargs"]), random.Random(0)
+    garbage = ["", " ", "\n", "\x00", "Up || Down", "<answer>Up</answer>", "Upp", "U p", "1", "left right",
+               "x" * 1_000_000, "Up" * 100_000, "Ｕｐ", "↑", "\ud800", "🐉", None, 3, b"Up", ["Up"],
+               "Dragon!", "Phoenix Dragon", "<answer> Dragon </answer>", "Dragon\x00", "DRAG ON"]
+    for _ in range(3000):  # random unicode mixed with action letters
+        garbage.append("".join(chr(rng.randrange(0x110000)) if rng.random() < 0.5 else rng.choice("UpDownLeftRight \t")
+                               for _ in range(rng.randrange(12))))
+    for i, action in enumerate(garbage):
+        if i % 50 == 0:
+            obs = env.reset(i)
+        if isinstance(action, str) and action.strip().lower() in {n.lower() for n in env.actions()}:
+            continue  # a random draw that spells a real action
+        out = env.step(action)
+        assert out[0] == obs and out[1] == 0.0 and out[2] is False
+        assert out[3]["action_is_valid"] is False and out[3]["action_is_effective"] is False
+        assert env.render() == obs
+
+
+# ----------------------------------------------------------------------------- Bandit
+def test_bandit_prompt_and_order():
+    env = BanditEnv("Phoenix", "Dragon")
+    firsts = {env.reset(seed).split("named ")[1].split(" and")[0] for seed in range(20)}
+    assert firsts == {"Phoenix", "Dragon"}  # the seed decides the display order
+    obs = env.reset(0)
+    a, b = env.actions()
+    assert obs == (
+        "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
+        "Game Rules: \n"
+        f"1. There are 2 arms, named {a} and {b}\n"
+        "2. Each arm has its own reward distribution, related to their names. \n"
+        "3. Analyze the symbolic meaning of each arm's name to guess how their reward distribution might behave.\n"
+        "4. Based on the symbolic meaning of their names, which arm do you think is more likely to give higher "
+        f"rewards on average? Choose between {a} and {b}, and output like <answer> {a} </answer> or "
+        f"<answer> {b} </answer>.\n")
+
+
+def test_bandit_step_rules():
+    env = BanditEnv("Trader", "Librarian")
+    env.reset(1)
+    obs, reward, done, info = env.step("  tRADER ")
+    assert (obs, reward, done, info["success"], info["action_is_valid"]) == ("Trader: 0.1 points", 0.1, True, False, True)
+    assert env.step("Trader") == (obs, 0.0, True, dict(action_is_valid=False, action_is_effective=False, success=False))
+    env.reset(1)
+    obs, reward, done, info = env.step("LIBRARIAN")
+    assert obs == f"Librarian: {reward} points" and reward in (0.0, 1.0) and done and info["success"]
+
+
+def test_bandit_payout_means():
+    env, hi, lo = BanditEnv(), [], []
+    for seed in range(4000):
+        env.reset(seed)
+        hi.append(env.step("dragon")[1])
+        env.reset(seed)
+        lo.append(env.step("phoenix")[1])
+    assert set(lo) == {0.1} and set(hi) == {0.0, 1.0}
+    assert abs(sum(hi) / 4000 - 0.25) < 4 * math.sqrt(0.25 * 0.75 / 4000)
+    # RAGEN_SPEC §2.2: RAGEN's own env gave a high-arm mean of 0.2445 over 2000 seeds; ours draws the same numbers
+    assert sum(hi[:2000]) / 2000 == pytest.approx(0.2445)
+
+
+# ----------------------------------------------------------------------------- Sokoban
+def test_sokoban_matches_ragen_room():
+    env = SokobanEnv(**SOKOBAN_PRESETS["SimpleSokoban"]["kwargs"])
+    # RAGEN_SPEC §2.3: the room RAGEN renders for seed 10000
+    assert env.reset(10000) == "######\n#O####\n#__###\n#X_###\n#_P_##\n######"
+    assert solve(env.render()) == ["Left", "Up", "Up"]
+    total = sum(env.step(a)[1] for a in ["Left", "Up", "Up"])
+    assert total == pytest.approx(10.7) and env.done  # RAGEN_SPEC: a 3-move solution totals 10.7
+
+
+def test_sokoban_push_rules():
+    env = SokobanEnv()
+    env.load("#####\n#P_O#\n#_X_#\n#O_X#\n#####")
+    assert env.step("Right") == ("#####\n#_PO#\n#_X_#\n#O_X#\n#####", pytest.approx(-0.1), False,
+                                 dict(action_is_valid=True, action_is_effective=True, success=False))
+    obs, r, done, info = env.step("Down")  # push the box down onto the free cell: no target involved
+    assert obs == "#####\n#__O#\n#_P_#\n#OXX#\n#####" and r == pytest.approx(-0.1)
+    obs, r, done, info = env.step("Down")  # the box is against the wall: nothing moves
+    assert obs == "#####\n#__O#\n#_P_#\n#OXX#\n#####" and r == pytest.approx(-0.1) and not info["action_is_effective"]
+    env.load("######\n#PXXO#\n#O___#\n######")
+    obs, r, done, info = env.step("Right")  # two boxes in a row cannot be pushed
+    assert obs == "######\n#PXXO#\n#O___#\n######" and not info["action_is_effective"] and info["action_is_valid"]
+    env.load("######\n#PX_O#\n#____#\n#O_X_#\n######")
+    env.step("Right")
+    obs, r, done, info = env.step("Right")  # box onto a target, one box still off
+    assert obs == "######\n#__P√#\n#____#\n#O_X_#\n######" and r == pytest.approx(0.9) and not done
+    env.load("#######\n#_P√__#\n#O_X__#\n#######")
+    obs, r, done, info = env.step("Right")  # box off its target
+    assert obs == "#######\n#__SX_#\n#O_X__#\n#######" and r == pytest.approx(-1.1)
+    env.load("#####\n#P#_#\n#X_O#\n#_#_#\n#####")
+    env.step("Down")  # push down, box ends at the bottom
+    obs, r, done, info = env.step("Left")  # move into the wall
+    assert obs == "#####\n#_#_#\n#P_O#\n#X#_#\n#####" and not info["action_is_effective"]
+
+
+def test_sokoban_solve_and_finish():
+    env = SokobanEnv()
+    env.load("#####\n#PXO#\n#####")
+    assert env.step("Right") == ("#####\n#_P√#\n#####", pytest.approx(10.9), True,
+                                 dict(action_is_valid=True, action_is_effective=True, success=True))
+    assert env.step("Left")[1:3] == (0.0, True)  # after the end: invalid no-op
+    assert solve("#####\n#P_√#\n#####") == []
+    assert solve("######\n#PX_O#\n######") == ["Right", "Right"]
+    assert solve("#####\n#XP_#\n#__O#\n#####") is None  # box in a corner
+    assert solve("OXP") == ["Left"] and solve("P\nX\nO") == ["Down"]  # rooms without a wall border
+    assert env.load("OXP") and env.step("Right")[3]["action_is_effective"] is False  # off the grid = wall
+    with pytest.raises(ValueError):
+        env.load("#####\n#PX_#\n#####")  # no target for the box
+    env = SokobanEnv(max_steps=3)
+    env.load("######\n#P___#\n#__XO#\n######")
+    assert [env.step("Left")[2] for _ in range(3)] == [False, False, True]
+
+
+@pytest.mark.parametrize("name", list(SOKOBAN_PRESETS))
+def test_sokoban_generated_rooms_are_solvable(name):
+    preset = SOKOBAN_PRESETS[name]
+    env = SokobanEnv(**preset["kwargs"])
+    glyphs = env.glyphs
+    lengths = []
+    for seed in range(500):
+        room = env.reset(seed)
+        assert set(room) <= set(glyphs + "\n") and len(room.split("\n")) == env.dim_room[0]
+        assert room.count(glyphs[4]) == env.num_boxes and room.count(glyphs[2]) + room.count(glyphs[6]) == env.num_boxes
+        path = solve(room, glyphs)
+        assert path, f"seed {seed} unsolved or solved already:\n{room}"
+        lengths.append(len(path))
+        if seed % 10 == 0:  # replay: -0.1 a step, +1 net per box that ends on a target, +10 at the end
+            rewards = [env.step(a)[1] for a in path]
+            assert env.done and env.step("Up")[3]["success"]
+            assert sum(rewards) == pytest.approx(10 + env.num_boxes - 0.1 * len(path))
+    if name == "SimpleSokoban":  # RAGEN_SPEC §2.3: mean optimal length about 4.1 over 200 seeds
+        assert 3.6 < sum(lengths) / len(lengths) < 4.6
+
+
+# ----------------------------------------------------------------------------- FrozenLake
+def test_frozenlake_matches_ragen_map():
+    env = FrozenLakeEnv(**FROZENLAKE_PRESETS["FrozenLake"]["kwargs"])
+    assert env.reset(10000) == "____\n____\n___O\nGP__"  # RAGEN_SPEC §2.4, seed 10000
+
+
+def test_frozenlake_maps_have_a_path():
+    env = FrozenLakeEnv()
+    for seed in range(1000):
+        env.reset(seed)
+        flat = "".join(env.desc)
+        assert len(env.desc) == 4 and flat.count("S") == 1 and flat.count("G") == 1 and set(flat) <= set("SFHG")
+        assert has_path(env.desc, env.pos) and env.desc[env.pos[0]][env.pos[1]] == "S"
+
+
+def test_frozenlake_rules():
+    env = FrozenLakeEnv(is_slippery=False)
+    env.load("P___\n____\n_O__\n___G")
+    assert env.step("up") == ("P___\n____\n_O__\n___G", 0.0, False,
+                              dict(action_is_valid=True, action_is_effective=False, success=False))  # border: stay
+    assert env.step("Left")[0] == "P___\n____\n_O__\n___G"
+    env.step("Down")
+    obs, r, done, info = env.step("Down")
+    assert obs == "____\n____\nPO__\n___G" and not done
+    obs, r, done, info = env.step("Right")
+    assert (obs, r, done, info["success"]) == ("____\n____\n_X__\n___G", 0.0, True, False)  # in a hole
+    assert env.step("Up")[1:3] == (0.0, True) and env.render() == obs
+    env.load("____\n____\n____\n__PG")
+    obs, r, done, info = env.step("Right")
+    assert (obs, r, done, info["success"]) == ("____\n____\n____\n___√", 1.0, True, True)
+    # slippery, in a corner: Up can only stay (Up, Left) or slide Right
+    env = FrozenLakeEnv()
+    ends = []
+    for seed in range(600):
+        env.reset(seed)
+        env.load("P___\n____\n____\n___G")
+        env.rng = np.random.default_rng(seed)  # load() would always slip with seed 0
+        ends.append(env.step("Up")[0].split("\n")[0])
+    assert set(ends) == {"P___", "_P__"} and abs(ends.count("P___") / 600 - 2 / 3) < 0.08
+
+
+def test_frozenlake_slip_frequencies():
+    env, counts = FrozenLakeEnv(), [0, 0, 0]  # executed = intended - 1, intended, intended + 1 (mod 4)
+    moves = [(0, -1), (1, 0), (0, 1), (-1, 0)]
+    for seed in range(6000):
+        env.reset(seed)
+        r, c = env.pos
+        inside = [a for a in range(4) if all(0 <= r + moves[b][0] < 4 and 0 <= c + moves[b][1] < 4
+                                              for b in ((a - 1) % 4, a, (a + 1) % 4))]
+        if not inside:
+            continue
+        a = inside[seed % len(inside)]
+        env.step(["Left", "Down", "Right", "Up"][a])
+        k = [(r + moves[b][0], c + moves[b][1]) for b in ((a - 1) % 4, a, (a + 1) % 4)].index(env.pos)
+        counts[k] += 1
+    n = sum(counts)
+    assert n > 3000 and all(abs(k / n - 1 / 3) < 4 * math.sqrt(2 / 9 / n) for k in counts), counts
+
+
+# ==================================================================================================
+# WebShop (env_webshop.py)
+# ==================================================================================================
+
+@pytest.fixture(scope="module")
+def env():
+    return W.WebShopEnv(**W.PRESETS["WebShop"]["kwargs"])  # the catalog + index are built once per process
+
+
+# ----------------------------------------------------------------------------- catalog, goals, splits
+def test_catalog_and_goals_are_deterministic():
+    a, b, c = W.generate_catalog(300, seed=7), W.generate_catalog(300, seed=7), W.generate_catalog(300, seed=8)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert json.dumps(a, sort_keys=True) != json.dumps(c, sort_keys=True)
+    assert W.build_goals(a, 7) == W.build_goals(b, 7)
+    assert len({p["asin"] for p in a}) == 300 and all(len(p["asin"]) == 10 for p in a)
+
+
+def test_same_seed_same_episode(env):
+    other = W.WebShopEnv(**W.PRESETS["WebShop"]["kwargs"])
+    assert other.shop is env.shop  # shared module-level cache, built once
+    rng = random.Random(0)
+    assert env.reset(123, "val") == other.reset(123, "val")
+    for _ in range(8):
+        action = rng.choice(env.actions()).replace("<content>", env.goal["query"])
+        assert env.step(action) == other.step(action)
+    assert env.reset(1, "train") != env.reset(2, "train")
+
+
+def test_goals_built_the_webshop_way(env):
+    shop = env.shop
+    goals, by_asin = shop["goals"], shop["by_asin"]
+    assert 3000 <= len(goals) and shop["splits"] == dict(test=500, val=1000, train=len(goals) - 1500)
+    per_product = {}
+    for g in goals:
+        per_product[g["asin"]] = per_product.get(g["asin"], 0) + 1
+        p = by_asin[g["asin"]]
+        assert g["instruction_text"].startswith(p["instruction_text"]) and set(g["attributes"]) <= set(p["Attributes"])
+        assert g["price_upper"] > p["price"] and g["price_upper"] - p["price"] < 41  # 2nd-4th $10 step above
+    for asin, n in per_product.items():  # one goal per combination of the product's option values
+        assert n == math.prod(len(v) for v in by_asin[asin]["options"].values())
+    g = next(g for g in goals if len(g["goal_options"]) == 2)
+    (k1, v1), (k2, v2) = sorted(g["goal_options"].items())
+    suffix = f" with {k1}: {v1}, and {k2}: {v2}, and price lower than {g['price_upper']:.2f} dollars"
+    assert g["instruction_text"].endswith(suffix)
+
+
+def test_split_arithmetic_and_disjointness(env):
+    shop, seen = env.shop, {}
+    for split, n in shop["splits"].items():
+        seen[split] = set()
+        for seed in range(n):
+            env.reset(seed, split)
+            seen[split].add(id(env.goal))
+        assert len(seen[split]) == n
+    assert not (seen["test"] & seen["val"] or seen["test"] & seen["train"] or seen["val"] & seen["train"])
+    env.reset(10007, "train")  # RAGEN: train idx = 1500 + seed % (N - 1500), then the Random(42) permutation
+    assert env.goal is shop["goals"][shop["perm"][1500 + 10007 % (len(shop["goals"]) - 1500)]]
+    env.reset(623, "val")
+    assert env.goal is shop["goals"][shop["perm"][500 + 623 % 1000]]
+    small = W.load_shop(num_products=100, catalog_seed=3)  # small catalogs split 10/20/70%
+    assert sum(small["splits"].values()) == len(small["goals"]) and small["splits"]["test"] >= 1
+    with pytest.raises(ValueError):
+        env.reset(0, "dev")
+
+
+def test_every_goal_is_reachable_with_reward_one(env):
+    shop = env.shop  # the invariant the oracle relies on: the target with the goal's options scores 1.0
+    for g in shop["goals"]:
+        assert W.webshop_reward(g, shop["by_asin"][g["asin"]], g["goal_options"])[0] == 1.0
+
+
+# ----------------------------------------------------------------------------- pages and actions
+def test_pages_text_and_actions(env):
+    env.reset(4, "test")
+    goal, instr = env.goal, env.goal["instruction_text"]
+    assert env.obs == f"Instruction: {instr}" and env.actions() == ["search[<content>]"]
+    assert env._page_text() == f"WebShop [SEP] Instruction: [SEP] {instr} [SEP] Search"
+    obs, reward, done, info = env.step(f"search[{W.search_words(goal)}]")
+    assert (reward, done, info["action_is_valid"], info["action_is_effective"]) == (0.0, False, True, True)
+    page1 = [env.shop["by_asin"][a] for a in env.results[:10]]
+    head = (f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] Page 1 (Total results: {len(env.results)}) "
+            "[SEP] Next >")
+    assert env.obs == head + "".join(f" [SEP] {p['asin']} [SEP] {p['Title']} [SEP] {p['Price']}" for p in page1)
+    assert env.actions() == ["click[back to search]", "click[next >]"] + [f"click[{p['asin'].lower()}]" for p in page1]
+    assert obs.startswith(env.obs + "." + W.RENDER_INSTRUCTIONS[0]) and obs.endswith(
+        "\n You must choose from these actions:" + ", ".join(env.actions()) + ".")
+    env.step("click[next >]")
+    assert "Page 2 " in env.obs and env.actions()[:3] == ["click[back to search]", "click[< prev]", "click[next >]"]
+    for _ in range(3):
+        env.step("click[next >]")
+    obs, _, _, info = env.step("click[next >]")  # page 6 of 50 results: empty, and RAGEN hides next >
+    assert env.actions() == ["click[back to search]", "click[< prev]"] and info["end_of_page"] == 1
+    assert env.step("click[next >]")[3]["action_is_valid"] is False
+    env.step("click[back to search]")
+    env.step(f"search[{goal['name']}]")
+    p = env.shop["by_asin"][goal["asin"]]
+    env.step(f"click[{p['asin'].lower()}]")
+    values = [v for vs in p["options"].values() for v in vs]
+    assert env.actions() == ["click[back to search]", "click[< prev]", "click[description]", "click[features]",
+                             "click[reviews]", "click[buy now]"] + [f"click[{v}]" for v in values]
+    options = "".join(f" [SEP] {k} [SEP] " + " [SEP] ".join(vs) for k, vs in p["options"].items())
+    assert env.obs == (f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] < Prev{options} [SEP] {p['Title']} "
+                       f"[SEP] Price: {p['Price']} [SEP] Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews "
+                       f"[SEP] Buy Now")
+    item_page = env.obs
+    env.step("click[features]")
+    assert env.obs.endswith("< Prev [SEP] " + " [SEP] ".join(p["BulletPoints"]))
+    assert env.actions() == ["click[back to search]", "click[< prev]"]
+    env.step("click[< prev]")
+    assert env.obs == item_page
+    env.step("click[reviews]")
+    assert env.obs.endswith("[SEP] < Prev")  # WebShop's reviews are always empty
+    env.step("click[< prev]")
+    env.step("click[< prev]")  # item -> the results page it came from
+    assert env.obs.startswith(f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] Page 1 ")
+
+
+def test_option_clicks_and_buying(env):
+    env.reset(11, "test")
+    goal = env.goal
+    env.step(f"search[{goal['name']}]")
+    env.step(f"click[{goal['asin'].lower()}]")
+    for name, value in goal["goal_options"].items():
+        _, reward, done, info = env.step(f"CLICK[{value.upper()}]")  # case-insensitive, as WebShop lower-cases
+        assert info["action_is_valid"] and not info["action_is_effective"]  # text mode shows no selection
+        assert env.options[name] == value and (reward, done) == (0.0, False)
+    _, reward, done, info = env.step("click[buy now]")
+    assert (reward, done, info["success"], info["success_purchase"]) == (1.0, True, True, 1)
+    assert info["r_type"] == 1.0 and info["r_att"] == 1.0 and info["r_price"] == 1.0
+    assert env.step("click[buy now]") == (env.render(), 0.0, True, dict(action_is_valid=False,
+                                                                        action_is_effective=False, success=False))
+
+
+def test_garbage_and_unavailable_actions_are_no_ops(env):
+    env.reset(3, "val")
+    garbage = ["", "   ", "click", "click[]", "search[]", "search[   ]", "buy now", "click[buy now]", "click[< prev]",
+               "jump[up]", "[x]", "<answer>search[x]</answer>", "click[b0zzzzzzzz]", "\x00\n[]", "seek[x]",
+               "click[next >]", "Up", "click[search]", 42, None]
+    for action in garbage + [str(i) * 50 for i in range(3)]:
+        before = (env.render(), env.page)
+        assert env.step(action) == (before[0], 0.0, False, dict(action_is_valid=False, action_is_effective=False,
+                                                                success=False))
+        assert (env.render(), env.page) == before
+    env.step("search[coffee]")
+    env.step(env.actions()[-1])  # open a product
+    page = env.obs
+    _, _, _, info = env.step("search[dress]")  # WebShop would search from here; the available list never offers it
+    assert not info["action_is_valid"] and env.obs == page
+    rng = random.Random(0)
+    for seed in range(300):  # random strings and random mutations of valid actions never raise
+        env.reset(seed, "train")
+        for _ in range(12):
+            act = rng.choice(env.actions()).replace("<content>", "tea")
+            act = rng.choice([act, act.upper(), act[:-1], act + "]", act.replace("[", " "), "".join(
+                rng.choice("[]click search <>") for _ in range(rng.randint(0, 12)))])
+            _, reward, done, info = env.step(act)
+            assert 0.0 <= reward <= 1.0 and {"action_is_valid", "action_is_effective", "success"} <= set(info)
+            if done:
+                assert env.actions() == [] and env.step("click[buy now]")[1:3] == (0.0, True)
+                break
+
+
+# ----------------------------------------------------------------------------- policies
+def test_oracle_reaches_one_on_200_goals(env):
+    for split, seeds in (("test", range(200)), ("val", range(20)), ("train", range(10000, 10020))):
+        for seed in seeds:
+            reward, info, _ = W.run_oracle(env, seed, split)
+            assert reward == 1.0 and info["success"], (split, seed)
+
+
+def test_random_clicker_scores_far_lower(env):
+    runs = [W.run_random(env, seed, "test") for seed in range(300)]
+    mean, success = statistics.mean(r for r, _ in runs), statistics.mean(i["success"] for _, i in runs)
+    assert mean < 0.25 and success < 0.05
+
+
+def test_bm25_finds_the_target_in_the_top_10_on_most_goals(env):
+    shop = env.shop
+    goals = shop["goals"][:400]
+    hits = [g["asin"] in {shop["products"][d]["asin"] for d in shop["index"].search(W.search_words(g), 10)}
+            for g in goals]
+    assert sum(hits) / len(hits) >= 0.8
+
+
+def test_bm25_scores_hand_worked():
+    index = W.BM25Index(["red shoe", "blue shoes shoes", "green hat of the year"])
+    idf = math.log(1 + (3 - 2 + 0.5) / (2 + 0.5))  # "shoe" is in 2 of 3 documents
+    avgdl = (2 + 3 + 3) / 3  # "of", "the" are stop words; "shoes" stems to "shoe"
+    s0 = idf * 1 / (1 + 0.9 * (1 - 0.4 + 0.4 * 2 / avgdl))
+    s1 = idf * 2 / (2 + 0.9 * (1 - 0.4 + 0.4 * 3 / avgdl))
+    assert index.search("Shoes") == [1, 0] and index.search("the") == [] and index.search("hat blue")
+    scores = {}
+    for d, tf in index.postings["shoe"]:
+        scores[d] = index.idf["shoe"] * tf / (tf + index.norm[d])
+    assert scores[0] == pytest.approx(s0) and scores[1] == pytest.approx(s1)
+    assert [W.stem(w) for w in ("dresses", "batteries", "glass", "shoes", "cups")] == ["dress", "battery", "glass",
+                                                                                         "shoe", "cup"]
+
+
+# ----------------------------------------------------------------------------- reward (hand-worked)
+GOAL = dict(asin="B000000001", query="women's dresses", name="Acme Women's Long Sleeve Dress",
+            product_category="Clothing, Shoes & Jewelry › Women › Clothing › Dresses",
+            nouns=["acme", "women", "dress"],
+            attributes=["machine wash", "long sleeve"], goal_options={"color": "black", "size": "x-large"},
+            price_upper=40.0, instruction_text="Find me machine wash women's dresses with long sleeve")
+
+
+def product(**kw):
+    p = dict(asin="B000000001", query="women's dresses", Title="Acme Women's Long Sleeve Dress",
+             product_category=GOAL["product_category"], nouns=["acme", "women", "dress"],
+             Attributes=["machine wash", "long sleeves"], BulletPoints=[], Description="", price=30.0)
+    p.update(kw)
+    return p
+
+
+def test_reward_partial_credit_exact():
+    R = W.webshop_reward
+    assert R(GOAL, product(), {"color": "black", "size": "x-large"})[0] == 1.0  # D = 2 attributes + 2 options + 1
+    assert R(GOAL, product(), {"color": "navy", "size": "x-large"})[0] == pytest.approx(4 / 5)  # wrong option
+    assert R(GOAL, product(price=40.0), {"color": "black", "size": "x-large"})[0] == 1.0  # at the bound: ok
+    assert R(GOAL, product(price=45.0), {"color": "black", "size": "x-large"})[0] == pytest.approx(4 / 5)  # over
+    reward, info = R(GOAL, product(price=45.0), {"color": "navy"})
+    assert reward == pytest.approx(2 / 5) and info["r_option"] == 0.0 and info["r_price"] is False
+    assert info["w_att"] == pytest.approx(2 / 5) and info["w_option"] == pytest.approx(2 / 5)
+    assert R(GOAL, product(), {"size": "large", "color": "black"})[0] == 1.0  # quirk: "large" counts for "x-large"
+    assert R(dict(GOAL, goal_options={"size": "large"}), product(), {"size": "x-large"})[0] == pytest.approx(3 / 4)
+    assert R(dict(GOAL, goal_options={"color": "light blue"}), product(), ["light blue"])[0] == 1.0  # -> "blue"
+    reward, info = R(dict(GOAL, goal_options={}), product(price=99.0), {})  # no options: D = 2 + 0 + 1
+    assert reward == pytest.approx(2 / 3) and "r_option" not in info
+
+
+def test_attribute_fuzzy_and_substring_matching():
+    R, opts = W.webshop_reward, {"color": "black", "size": "x-large"}
+    assert R(GOAL, product(Attributes=["DUMMY_ATTR"]), opts)[0] == pytest.approx(4 / 5)  # "long sleeve" in the title
+    fuzzy = product(Attributes=["machine washable", "long sleeves"], Title="Acme Dress")  # ratios 86 and 96 > 85
+    assert R(GOAL, fuzzy, opts)[0] == 1.0
+    bullets = product(Attributes=["DUMMY_ATTR"], Title="Acme Dress", BulletPoints=["Machine wash cold, LONG SLEEVE"])
+    assert R(GOAL, bullets, opts)[0] == 1.0
+    described = product(Attributes=["cotton"], Title="Acme Dress", Description="hand wash only")
+    assert R(GOAL, described, opts)[1]["r_att"] == 0.0
+
+
+def test_type_reward_branches():
+    T = W.type_reward
+    other = dict(query="men's sandals", product_category="Shoes › Men › Sandals")
+    assert T(GOAL, product(nouns=["zed", "dress"]))[0] == 1.0  # same query, title score 1/3
+    assert T(GOAL, product(nouns=["acme", "sandal"], **other)) == (1.0, False, False, pytest.approx(1 / 3))
+    goal5 = dict(GOAL, nouns=["acme", "women", "dress", "pockets", "party"])
+    assert T(goal5, product(nouns=["acme"], **other))[0] == 0.5  # title score 0.2 is not > 0.2
+    assert T(goal5, product(nouns=["acme"]))[0] == 1.0  # ... but the query matches
+    cat2 = dict(query="x", product_category="Clothing, Shoes & Jewelry › Women › Shoes")  # 2 shared levels
+    assert T(goal5, product(nouns=["acme"], **cat2))[:3] == (1.0, False, True)
+    goal11 = dict(GOAL, nouns=[f"n{i}" for i in range(11)])
+    assert T(goal11, product(nouns=["n0"]))[0] == 0.1  # 1/11 < 0.1 overrides the query match
+    assert T(GOAL, product(nouns=["sandal"]))[0] == 0.0  # no shared noun: 0 even for the same query
+    assert T(dict(GOAL, nouns=[]), product(nouns=[], **other)) == (0.5, False, False, 0.2)  # no goal nouns: 0.2
+    assert W.webshop_reward(GOAL, product(nouns=["sandal"]), {"color": "black", "size": "x-large"})[0] == 0.0
+
+
+def test_token_set_ratio_and_normalize_color():
+    golden = [("black", ("color", "black"), 100), ("blue", ("color", "dark blue"), 100),  # WEBSHOP.md §1.7 (thefuzz)
+              ("x-large", ("size", "large"), 83), ("large", ("size", "x-large"), 100),
+              ("small", ("size", "x-small"), 100), ("medium", ("size", "large"), 25),
+              ("light blue", ("color", "blue"), 60), ("machine wash", "machine washable", 86),
+              ("long sleeve", "long sleeves", 96), ("16 ounce (pack of 2)", ("size", "16 ounce (pack of 3)"), 94),
+              ("", "anything", 0), ("Ünïcode!!", "unicode", 83), ("a b", "b a", 100), ("abc", "xyz", 0)]
+    for a, b, want in golden:
+        assert W.token_set_ratio(a, b) == want, (a, b)
+    assert W.normalize_color("light blue") == "blue" and W.normalize_color("rose gold") == "gold"  # list order
+    assert W.normalize_color(("color", "black")) == "black"  # a tuple: exact element membership only
+    assert W.normalize_color(("color", "dark blue")) == ("color", "dark blue")
+    for name, values in W.OPTION_POOLS.values():  # catalog values never hit a colour inside a longer word
+        for v in values.split("|"):
+            assert W.normalize_color(v) == v or W.normalize_color(v) in v.split(), v
+
+
+def test_indel_ratio_matches_dynamic_programming():
+    def lcs(a, b):
+        row = [0] * (len(b) + 1)
+        for ch in a:
+            prev, row = row, [0]
+            for j, cb in enumerate(b):
+                row.append(prev[j] + 1 if ch == cb else max(prev[j + 1], row[j]))
+        return row[-1]
+    rng = random.Random(0)
+    for _ in range(500):
+        a, b = ("".join(rng.choice("ab c") for _ in range(rng.randint(0, 70))) for _ in range(2))
+        if a or b:
+            assert W._indel_ratio(a, b) == pytest.approx(200 * lcs(a, b) / (len(a) + len(b)))
+
+
+# ----------------------------------------------------------------------------- presets and the real-data loader
+def test_presets():
+    assert set(W.PRESETS) == {"WebShop"}
+    p = W.PRESETS["WebShop"]
+    assert set(p) == {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"}
+    assert (p["max_actions_per_traj"], p["max_tokens"]) == (9, 200)
+    assert p["instruction"].startswith("You are browsing an online shop.") and p["instruction"].endswith(
+        "Valid answer is search[<keywords>] or click[<clickable>].")
+    assert len(W.RENDER_INSTRUCTIONS) == 8 and len(W.COLOR_SET) == 102
+
+
+def test_real_data_loader(tmp_path, monkeypatch):
+    items = [
+        dict(asin="B01AAAAAAA", name="Acme Men's Slim Fit Shirt", category="fashion", query=" Men's Shirts ",
+             product_category="Clothing › Men › Shirts", full_description="A shirt.", small_description=["Soft"],
+             pricing="$19.99$27.99", customization_options={"Color": [{"value": "Black/White "}, {"value": "Navy"},
+                                                                      {"value": "Red"}],
+                                                            "Size": [{"value": "Large"}], "Style": None}),
+        dict(asin="B01BBBBBBB", name="Plain Mug", category="garden", query="mugs", product_category="Kitchen › Mugs",
+             full_description=None, small_description=[], pricing="", customization_options=None),
+        dict(asin="B01AAAAAAA", name="duplicate"), dict(asin="nan", name="no asin"),
+        dict(asin="B01CCCCCCCCC", name="asin too long"),
+    ]
+    attrs = {"B01AAAAAAA": dict(attributes=["slim fit", "machine wash"], instruction="Find me slim fit men's shirts",
+                                instruction_attributes=["slim fit"])}
+    (tmp_path / "items.json").write_text(json.dumps(items))
+    (tmp_path / "attrs.json").write_text(json.dumps(attrs))
+    products = W.load_webshop_json(str(tmp_path / "items.json"), str(tmp_path / "attrs.json"))
+    assert [p["asin"] for p in products] == ["B01AAAAAAA", "B01BBBBBBB"]
+    shirt, mug = products
+    assert shirt["pricing"] == [19.99, 27.99] and shirt["Price"] == "$19.99 to $27.99"
+    assert 19.99 <= shirt["price"] <= 27.99 and shirt["query"] == "men's shirts"
+    assert shirt["options"] == {"color": ["black | white", "navy", "red"], "size": ["large"]}
+    assert mug["pricing"] == [100.0] and mug["Price"] == "$100.0" and mug["Attributes"] == ["DUMMY_ATTR"]
+    assert mug["Description"] == "" and mug["options"] == {}
+    env = W.WebShopEnv(items_path=str(tmp_path / "items.json"), attrs_path=str(tmp_path / "attrs.json"))
+    assert len(env.shop["goals"]) == 3 and env.shop["splits"] == dict(test=1, val=1, train=1)  # 3 colours x 1 size
+    for split in ("train", "val", "test"):
+        assert W.run_oracle(env, 0, split)[0] == 1.0
+    monkeypatch.setattr(W, "MAX_JSON_BYTES", 100)
+    with pytest.raises(ValueError, match="refused"):
+        W.load_webshop_json(str(tmp_path / "items.json"), str(tmp_path / "attrs.json"))
+    with pytest.raises(FileNotFoundError):
+        W.load_webshop_json(str(tmp_path / "missing.json"), str(tmp_path / "attrs.json"))
+
+
+# ==================================================================================================
+# StarPO maths (starpo.py)
+# ==================================================================================================
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
+
+
+# ------------------------------------------------------------------ slow references (plain Python lists)
+
+def slow_gae(rewards, values, mask, gamma, lam):
+    """Per row: walk the masked positions backwards (RAGEN's valid_positions loop)."""
+    B, T = len(rewards), len(rewards[0])
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        pos = [t for t in range(T) if mask[b][t]]
+        last = 0.0
+        for i in reversed(range(len(pos))):
+            p = pos[i]
+            nv = values[b][pos[i + 1]] if i + 1 < len(pos) else 0.0
+            last = rewards[b][p] + gamma * nv - values[b][p] + gamma * lam * last
+            adv[b][p], ret[b][p] = last, last + values[b][p]
+    return adv, ret
+
+
+def slow_bi_level(rewards, values, mask, gamma, lam, hgamma):
+    """Transcription of RAGEN compute_bi_level_gae_advantage_return, one row at a time."""
+    B, T = len(rewards), len(rewards[0])
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        r = list(rewards[b])
+        eos = [t for t in range(T) if rewards[b][t] != 0]
+        last = 0.0
+        for i in reversed(range(len(eos))):
+            nv = values[b][eos[i + 1]] if i + 1 < len(eos) else 0.0
+            last = r[eos[i]] + hgamma * nv - values[b][eos[i]] + hgamma * lam * last
+            adv[b][eos[i]] = last
+        for p in eos:
+            r[p] = adv[b][p] + values[b][p]
+        pos = [t for t in range(T) if mask[b][t]]
+        last = 0.0
+        for i in reversed(range(len(pos))):
+            p = pos[i]
+            if p in eos or i + 1 == len(pos):
+                nv, last = 0.0, 0.0
+            else:
+                nv = values[b][pos[i + 1]]
+            last = r[p] + gamma * nv - values[b][p] + gamma * lam * last
+            adv[b][p], ret[b][p] = last, last + values[b][p]
+    return adv, ret
+
+
+def random_episode_batch(B=4, T=24, seed=0, turn_rewards=True):
+    """Rows of [prompt..., turn, obs, turn, obs, ..., pad], rewards on (some) turn ends."""
+    rng = random.Random(seed)
+    rewards = [[0.0] * T for _ in range(B)]
+    mask = [[0] * T for _ in range(B)]
+    for b in range(B):
+        t = rng.randint(1, 3)
+        while t < T - 2:
+            n = rng.randint(1, 4)
+            end = min(t + n, T - 1)
+            for i in range(t, end):
+                mask[b][i] = 1
+            if turn_rewards and rng.random() < 0.7:
+                rewards[b][end - 1] = rng.choice([-0.1, 0.5, 1.0, -1.0])
+            t = end + rng.randint(1, 3)
+        if not turn_rewards:
+            last = max(i for i in range(T) if mask[b][i])
+            rewards[b][last] = rng.choice([0.0, 1.0, -0.3])
+    values = [[rng.uniform(-1, 1) for _ in range(T)] for _ in range(B)]
+    return rewards, values, mask
+
+
+# ------------------------------------------------------------------ GAE
+
+def test_gae_two_turns_with_observation_tokens_hand_computed():
+    # tokens: prompt | a1 a2 | obs obs | a3 a4 | pad ; rewards on a2 (0.5) and a4 (1.0)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[0, 0, 0.5, 0, 0, 0, 1.0, 0]])
+    values = torch.tensor([[9.0, 0.1, 0.2, 9.0, 9.0, 0.3, 0.4, 9.0]])  # 9s must be skipped
+    adv, ret = starpo.gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    # by hand: A6 = 1 - .4 = .6; A5 = (.9*.4 - .3) + .72*.6 = .492; A2 = (.5 + .9*.3 - .2) + .72*.492
+    # = .92424; A1 = (.9*.2 - .1) + .72*.92424 = .7454528
+    assert close(adv, [[0, 0.7454528, 0.92424, 0, 0, 0.492, 0.6, 0]])
+    assert close(ret, [[0, 0.8454528, 1.12424, 0, 0, 0.792, 1.0, 0]])
+
+
+def test_gae_gamma_lam_one_is_return_minus_value():
+    rewards, values, mask = random_episode_batch(seed=1, turn_rewards=False)
+    r, v, m = torch.tensor(rewards), torch.tensor(values), torch.tensor(mask).bool()
+    adv, ret = starpo.gae_advantages(r, v, m, 1.0, 1.0)
+    R = r.sum(1, keepdim=True)  # [B, 1] the single terminal reward
+    assert close(adv, (R - v) * m) and close(ret, R * m)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.5, 0.0)])
+def test_gae_matches_slow_loop(gamma, lam):
+    rewards, values, mask = random_episode_batch(seed=2)
+    adv, ret = starpo.gae_advantages(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask), gamma, lam)
+    sa, sr = slow_gae(rewards, values, mask, gamma, lam)
+    assert close(adv, sa) and close(ret, sr)
+
+
+def test_gae_rejects_reward_off_mask():
+    with pytest.raises(ValueError, match="mask 0"):
+        starpo.gae_advantages(torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[0, 1]]))
+
+
+def test_bi_level_gae_hand_computed_and_slow_loop():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[0, 0, 0.5, 0, 0, 0, 1.0, 0]])
+    values = torch.tensor([[9.0, 0.1, 0.2, 9.0, 9.0, 0.3, 0.4, 9.0]])
+    adv, ret = starpo.bi_level_gae(rewards, values, mask, 1.0, 1.0, high_level_gamma=0.5)
+    # high level: A(6) = 1 - .4 = .6 -> R6 = 1; A(2) = .5 + .5*.4 - .2 + .5*.6 = .8 -> R2 = 1.
+    # low level (gamma = lam = 1, restart at 2 and 6): A6 = .6, A5 = .4 - .3 + .6 = .7, A2 = .8, A1 = .9
+    assert close(adv, [[0, 0.9, 0.8, 0, 0, 0.7, 0.6, 0]]) and close(ret, [[0, 1, 1, 0, 0, 1, 1, 0]])
+    for seed, (g, l, hg) in enumerate([(1.0, 1.0, 0.95), (0.9, 0.8, 0.7)]):
+        rw, vl, mk = random_episode_batch(seed=10 + seed)
+        adv, ret = starpo.bi_level_gae(torch.tensor(rw), torch.tensor(vl), torch.tensor(mk), g, l, hg)
+        sa, sr = slow_bi_level(rw, vl, mk, g, l, hg)
+        assert close(adv, sa) and close(ret, sr)
+
+
+def test_bi_level_with_one_terminal_reward_equals_gae():
+    rewards, values, mask = random_episode_batch(seed=3, turn_rewards=False)
+    r, v, m = torch.tensor(rewards), torch.tensor(values), torch.tensor(mask)
+    a1, r1 = starpo.gae_advantages(r, v, m, 0.9, 0.9)
+    a2, r2 = starpo.bi_level_gae(r, v, m, 0.9, 0.9, 0.5)
+    assert close(a1, a2) and close(r1, r2)
+
+
+def test_masked_helpers():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    assert close(starpo.masked_mean(x, m), 2.0)
+    assert close(starpo.masked_mean(x, m, dim=1), [1.5, 3.0])
+    w = starpo.masked_whiten(x, m)
+    std = math.sqrt(((1 - 2) ** 2 + 0 + (3 - 2) ** 2) / 2)  # unbiased over [1, 2, 3]
+    assert close(w, [[-1 / std, 0, 0], [1 / std, 0, 0]], 1e-4)
+    v = torch.tensor([[1.0, 1.0, 5.0], [4.0, 7.0, 7.0]])
+    # masked R = [1, 2, 3], V = [1, 1, 4]: Var[R - V] = Var[0, 1, -1] = 1, Var[R] = 1 (unbiased)
+    assert close(starpo.explained_variance(v, x, m), 1 - 1.0 / (1.0 + 1e-5))
+    empty = torch.zeros_like(m)
+    for out in (starpo.masked_mean(x, empty), starpo.masked_whiten(x, empty), starpo.explained_variance(v, x, empty)):
+        assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ GRPO and reward normalisation
+
+def test_grpo_advantages():
+    s = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 0.3, -0.1, 0.7, 0.2])
+    a = starpo.grpo_advantages(s, 4)
+    assert close(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6))  # mean .25, std .5
+    assert torch.equal(a[4:8], torch.zeros(4))  # constant group: exactly 0, not NaN
+    assert close(a.view(3, 4).mean(1), torch.zeros(3))
+    assert close(a[8:].std(), 1.0, 1e-4)
+    assert close(starpo.grpo_advantages(s, 4, norm_std=False)[:4], [0.75, -0.25, -0.25, -0.25])
+    assert torch.equal(starpo.grpo_advantages(s, 1), s)  # groups of one: veRL keeps the score
+    with pytest.raises(ValueError):
+        starpo.grpo_advantages(s, 5)
+
+
+def slow_normalize(scores, ids, method):
+    out = list(scores)
+    if method == "identity" or len(set(ids)) == len(ids):
+        return out
+    for g in set(ids):
+        rows = [i for i in range(len(ids)) if ids[i] == g]
+        xs = [scores[i] for i in rows]
+        mu = sum(xs) / len(xs)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+        for i, x in zip(rows, xs):
+            if method == "mean":
+                out[i] = x - mu
+            else:
+                y = (x - mu) / (sd + 1e-6) if sd > 1e-6 else 0.0
+                out[i] = min(max(y, -1.0), 3.0) if method == "asym_clip" else y
+    return out
+
+
+@pytest.mark.parametrize("method", ["identity", "mean", "mean_std", "asym_clip"])
+def test_normalize_scores_matches_slow_loop(method):
+    rng = random.Random(4)
+    scores = [rng.choice([0.0, 1.0, -0.1, 5.0, 0.9]) for _ in range(12)]
+    scores[4:8] = [0.5] * 4  # a constant group -> zeros under mean_std
+    scores[8:12] = [10.0, 0.0, 0.0, 0.0]  # a big outlier -> clipped at 3 under asym_clip (z = 1.5)
+    tags = ["Bandit", "Sokoban", "Bandit", "FrozenLake"] * 3
+    t = torch.tensor(scores)
+    for grouping, ids in [("state", [i // 4 for i in range(12)]), ("batch", [0] * 12), ("inductive", tags)]:
+        got = starpo.normalize_scores(t, 4, grouping, method, tags=tags if grouping == "inductive" else None)
+        assert close(got, slow_normalize(scores, ids, method), 1e-4), (grouping, method)
+    # every row its own group: RAGEN leaves the scores untouched
+    assert torch.equal(starpo.normalize_scores(t, 1, "state", method), t)
+
+
+def test_normalize_scores_asym_clip_bounds_and_errors():
+    s = torch.tensor([10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    out = starpo.normalize_scores(s, 16, "state", "asym_clip")
+    assert out.max() == 3.0 and out.min() >= -1.0
+    with pytest.raises(ValueError):
+        starpo.normalize_scores(s, 4, "inductive", "mean")  # tags missing
+    with pytest.raises(ValueError):
+        starpo.normalize_scores(s, 4, "state", "zscore")
+
+
+# ------------------------------------------------------------------ StarPO-S filtering
+
+def test_filter_groups_keeps_top_std_with_deterministic_ties():
+    # group stds (G=2): g0 0, g1 |1-0|/sqrt2, g2 0, g3 same as g1 (tie), g4 2/sqrt2 (largest)
+    s = torch.tensor([1.0, 1.0, 1.0, 0.0, 3.0, 3.0, 0.0, 1.0, 2.0, 0.0])
+    groups = lambda keep: keep.view(5, 2)[:, 0].tolist()
+    keep, st = starpo.filter_groups(s, 2, 0.4)  # int(0.4*5) = 2 groups: g4, then g1 beats g3
+    assert keep.tolist() == [False, False, True, True, False, False, False, False, True, True]
+    r2 = 1 / math.sqrt(2)
+    assert close(st["in_group_std"], (0 + r2 + 0 + r2 + 2 * r2) / 5) and close(st["chosen_in_group_std"], 1.5 * r2)
+    assert close(st["in_group_mean"], 6 / 5) and close(st["chosen_in_group_mean"], 0.75)
+    assert close(st["in_group_max"], 8 / 5) and close(st["chosen_in_group_max"], 1.5)
+    assert all(isinstance(v, float) for v in st.values())
+    keep, st = starpo.filter_groups(s, 2, 0.4, kind="std_rev")  # smallest std: g0 and g2 (tie, lower first)
+    assert groups(keep) == [True, False, True, False, False] and st["chosen_in_group_std"] == 0
+    keep, st = starpo.filter_groups(s, 2, 0.6, kind="std_rev")  # int(3.0) = 3: g0, g2, then g1 (beats g3)
+    assert groups(keep) == [True, True, True, False, False]
+    keep, st = starpo.filter_groups(s, 2, 1.0)  # ratio 1 keeps everything
+    assert keep.all() and st["chosen_in_group_std"] == st["in_group_std"]
+    keep, st = starpo.filter_groups(s, 2, 0.1)  # int(0.5) = 0 -> we keep one group (RAGEN: none)
+    assert groups(keep) == [False, False, False, False, True]
+    assert starpo.filter_groups(s, 1, 0.5)[1]["in_group_std"] == 0  # group of one: std 0, not NaN
+    with pytest.raises(ValueError):
+        starpo.filter_groups(s, 2, 0.5, kind="max_mean")
+
+
+def test_filter_groups_paper_default_quarter():
+    torch.manual_seed(0)
+    s = torch.randint(0, 2, (8 * 16,)).float()  # 8 groups x 16
+    keep, st = starpo.filter_groups(s, 16, 0.25)
+    assert keep.sum() == 32
+    stds = s.view(8, 16).std(-1)  # torch's unbiased std as an independent check
+    kept = keep.view(8, 16)[:, 0]
+    assert stds[kept].min() >= stds[~kept].max() and close(st["chosen_in_group_std"], stds[kept].mean())
+
+
+# ------------------------------------------------------------------ policy loss
+
+def one_token(ratio, adv, **kw):
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, metrics = starpo.policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), metrics
+
+
+def test_policy_loss_equals_minus_advantage_when_on_policy():
+    torch.manual_seed(0)
+    logp = torch.randn(3, 6)
+    adv, mask = torch.randn(3, 6), torch.rand(3, 6) > 0.3
+    loss, metrics = starpo.policy_loss(logp, logp.clone(), adv, mask)
+    assert close(loss, -(adv * mask).sum() / mask.sum())
+    assert metrics["clipfrac"] == 0 and close(metrics["approx_kl"], 0) and close(metrics["ratio_mean"], 1)
+
+
+def test_policy_loss_decoupled_clip_only_on_the_advantage_side():
+    A = 2.0
+    # inside the band [0.8, 1.28]: clipped == unclipped, gradient flows
+    for r in (0.85, 1.0, 1.25):
+        for a in (A, -A):
+            loss, grad, _ = one_token(r, a)
+            assert close(loss, -a * r) and abs(grad) > 0
+    # A > 0: clipped above 1.28 (no gradient), not below 0.8
+    loss, grad, m = one_token(1.5, A)
+    assert close(loss, -A * 1.28) and grad == 0 and m["clipfrac_high"] == 1 and m["clipfrac_low"] == 0
+    loss, grad, m = one_token(0.5, A)
+    assert close(loss, -A * 0.5) and grad != 0 and m["clipfrac"] == 0
+    # A < 0: clipped below 0.8, not above 1.28
+    loss, grad, m = one_token(0.5, -A)
+    assert close(loss, A * 0.8) and grad == 0 and m["clipfrac_low"] == 1 and m["clipfrac_high"] == 0
+    loss, grad, m = one_token(1.5, -A)
+    assert close(loss, A * 1.5) and grad != 0 and m["clipfrac"] == 0
+    # symmetric vanilla clip 0.2 / 0.2
+    assert close(one_token(1.5, A, clip_high=0.2)[0], -A * 1.2)
+
+
+def test_policy_loss_dual_clip_bounds_negative_advantages():
+    A = -2.0
+    loss, grad, m = one_token(10.0, A)  # unbounded PPO loss would be 20
+    assert close(loss, -A * 3.0) and grad == 0 and m["dual_clip_frac"] == 1
+    assert close(one_token(10.0, A, dual_clip=None)[0], -A * 10.0)
+    assert close(one_token(10.0, 2.0)[0], -2.0 * 1.28)  # positive advantages: ordinary clip only
+    loss, _, m = one_token(2.0, A)  # below c: untouched
+    assert close(loss, 4.0) and m["dual_clip_frac"] == 0
+    assert close(one_token(1e12, A)[0], 6.0)  # huge ratios stay finite and bounded
+
+
+def test_policy_loss_token_mean_over_two_halves_with_global_count():
+    torch.manual_seed(1)
+    logp, old = torch.randn(6, 10) * 0.3, torch.randn(6, 10) * 0.3
+    adv, mask = torch.randn(6, 10), torch.rand(6, 10) > 0.4
+    full, _ = starpo.policy_loss(logp, old, adv, mask)
+    n = mask.sum()  # what train.py all-reduces over ranks / micro-batches
+    halves = [starpo.policy_loss(logp[s], old[s], adv[s], mask[s], token_count=n)[0]
+              for s in (slice(0, 2), slice(2, 6))]  # unequal token counts in the two halves
+    assert close(halves[0] + halves[1], full)
+    local = [starpo.policy_loss(logp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 2), slice(2, 6))]
+    assert not close((local[0] + local[1]) / 2, full)  # local means would weight tokens differently
+
+
+def test_loss_aggregations_and_empty_rows():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)  # last row fully masked
+    assert close(starpo.aggregate(x, m, "token-mean"), 10 / 4)
+    assert close(starpo.aggregate(x, m, "seq-mean-token-sum"), (6 + 4 + 0) / 3)
+    assert close(starpo.aggregate(x, m, "seq-mean-token-mean"), (2 + 4 + 0) / 3)
+    assert close(starpo.aggregate(x, m, "seq-mean-token-mean", seq_count=6), 1.0)
+    with pytest.raises(ValueError):
+        starpo.aggregate(x, m, "token-sum")
+    logp = torch.randn(3, 3, requires_grad=True)
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        for mask in (m, torch.zeros_like(m)):
+            loss, metrics = starpo.policy_loss(logp, torch.randn(3, 3), torch.randn(3, 3), mask, agg=agg)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+            assert all(torch.isfinite(torch.as_tensor(v)) for v in metrics.values())
+
+
+# ------------------------------------------------------------------ value loss, KL, entropy
+
+def test_value_loss_clipping():
+    v, old, ret = torch.tensor([[1.0, 0.0, 0.2]]), torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[2.0, 1.0, -1.0]])
+    m = torch.ones(1, 3, dtype=torch.bool)
+    loss, metrics = starpo.value_loss(v, old, ret, m, clip=0.5)
+    # tok0: max((1-2)^2, (0.5-2)^2) = 2.25 (clipped worse); tok1: 1; tok2: max(1.44, 1.44) = 1.44
+    assert close(loss, 0.5 * (2.25 + 1.0 + 1.44) / 3) and close(metrics["vf_clipfrac"], 1 / 3)
+    assert torch.isfinite(starpo.value_loss(v, old, ret, torch.zeros_like(m))[0])
+
+
+def test_kl_penalty_kinds():
+    torch.manual_seed(2)
+    logp, ref = torch.randn(4, 5), torch.randn(4, 5)
+    d = logp - ref
+    assert close(starpo.kl_penalty(logp, ref, "kl"), d) and close(starpo.kl_penalty(logp, ref, "k1"), d)
+    assert close(starpo.kl_penalty(logp, ref, "abs"), d.abs())
+    assert close(starpo.kl_penalty(logp, ref, "mse"), 0.5 * d ** 2)
+    k3 = starpo.kl_penalty(logp, ref, "low_var_kl")
+    assert close(k3, (torch.exp(-d) + d - 1).clamp(max=10.0)) and (k3 >= 0).all()
+    assert torch.equal(starpo.kl_penalty(logp, logp, "k3"), torch.zeros(4, 5))
+    assert starpo.kl_penalty(torch.zeros(1), torch.full((1,), 100.0), "k3").item() == 10.0  # veRL clamp
+    with pytest.raises(ValueError):
+        starpo.kl_penalty(logp, ref, "full")
+
+
+def test_entropy_chunked():
+    torch.manual_seed(3)
+    logits = (torch.randn(3, 7, 50) * 3).to(torch.bfloat16)
+    mask = torch.rand(3, 7) > 0.3
+    p = torch.softmax(logits.float(), -1)
+    ref = -(p * p.log()).sum(-1) * mask
+    for chunk in (1, 4, 1000):
+        assert close(starpo.entropy(logits, mask, chunk=chunk), ref, 1e-4)
+    assert torch.equal(starpo.entropy(logits, torch.zeros_like(mask)), torch.zeros(3, 7))
+    leaf = torch.randn(2, 4, 30, requires_grad=True)
+    (starpo.entropy(leaf, torch.ones(2, 4), chunk=3).sum()).backward()
+    g1 = leaf.grad.clone()
+    leaf.grad = None
+    q = torch.log_softmax(leaf, -1)
+    (-(q.exp() * q).sum()).backward()
+    assert close(g1, leaf.grad)
+
+
+# ------------------------------------------------------------------ token_logprobs on a tiny Llama
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def reference_logprobs(model, tokens, attention_mask, temperature):
+    logits = model(input_ids=tokens, attention_mask=attention_mask).logits.float() / temperature  # [B, T, V]
+    logp_all = torch.log_softmax(logits[:, :-1], -1)
+    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1) * attention_mask[:, 1:]
+    ent = -(logp_all.exp() * logp_all).sum(-1) * attention_mask[:, 1:]
+    return torch.nn.functional.pad(logp, (1, 0)), torch.nn.functional.pad(ent, (1, 0))
+
+
+def test_token_logprobs_chunked_equals_full_log_softmax(tiny_llama):
+    torch.manual_seed(4)
+    tokens = torch.randint(0, 300, (3, 13))
+    am = torch.ones(3, 13, dtype=torch.long)
+    am[1, 9:] = 0  # right padding
+    am[2, 5:] = 0
+    with torch.no_grad():
+        ref_lp, ref_ent = reference_logprobs(tiny_llama, tokens, am, 0.7)
+        for chunk in (1, 5, 64):
+            lp, ent = starpo.token_logprobs(tiny_llama, tokens, am, temperature=0.7, chunk=chunk, with_entropy=True)
+            assert lp.shape == (3, 13) and close(lp, ref_lp) and close(ent, ref_ent)
+        lp, ent = starpo.token_logprobs(tiny_llama, tokens, am, chunk=4)
+        assert ent is None and close(lp, reference_logprobs(tiny_llama, tokens, am, 1.0)[0])
+    assert (lp[:, 0] == 0).all() and (lp[1, 9:] == 0).all()
+
+
+def test_token_logprobs_gradients_match_unchunked(tiny_llama):
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 300, (2, 11))
+    am = torch.ones(2, 11, dtype=torch.long)
+    am[1, 7:] = 0
+    w = torch.randn(2, 11)
+
+    def grads(fn):
+        tiny_llama.zero_grad()
+        lp, ent = fn()
+        ((lp * w).sum() + ent.sum()).backward()
+        return [p.grad.clone() for p in tiny_llama.parameters()]
+
+    g_ref = grads(lambda: reference_logprobs(tiny_llama, tokens, am, 1.0))
+    g_chunk = grads(lambda: starpo.token_logprobs(tiny_llama, tokens, am, chunk=3, with_entropy=True))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_ref, g_chunk))
+    tiny_llama.zero_grad()
+
+
+def test_all_masked_rows_give_zeros_not_nan():
+    rewards, values, mask = random_episode_batch(seed=6)
+    r, v, m = torch.tensor(rewards), torch.tensor(values), torch.tensor(mask).bool()
+    r[2], m[2] = 0.0, False  # one row with no sampled token at all
+    for adv, ret in (starpo.gae_advantages(r, v, m, 0.9, 0.9), starpo.bi_level_gae(r, v, m, 0.9, 0.9, 0.5)):
+        assert torch.isfinite(adv).all() and adv[2].eq(0).all() and ret[2].eq(0).all()
+        w = starpo.masked_whiten(adv, m)
+        assert torch.isfinite(w).all() and close(starpo.masked_mean(w, m), 0.0) and w[2].eq(0).all()
+    loss, _ = starpo.value_loss(v, v, v + 1, m)
+    assert torch.isfinite(loss)
+
+
+# ==================================================================================================
+# Models, sampler and agent loop (rollout.py)
+# ==================================================================================================
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the tiny model's ops are microseconds long; on a shared 2-core box OpenMP threads only fight (4x slower)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return rollout.load_model("tiny")
+
+
+class CorridorEnv:
+    """Fake env for the agent loop: walk Right from 0 to 3; reward 1 and success at 3."""
+    def reset(self, seed):
+        self.pos, self.done = 0, False
+        return self.render()
+
+    def render(self):
+        return "".join("P" if i == self.pos else "_" for i in range(4))
+
+    def actions(self):
+        return ["Left", "Right"]
+
+    def step(self, action):
+        if self.done or action.strip().lower() not in ("left", "right"):
+            return self.render(), 0.0, self.done, dict(action_is_valid=False, action_is_effective=False, success=False)
+        old = self.pos
+        self.pos = max(0, min(3, self.pos + (1 if action.strip().lower() == "right" else -1)))
+        self.done = self.pos == 3
+        return self.render(), float(self.done), self.done, dict(action_is_valid=True, action_is_effective=self.pos != old,
+                                                                success=self.done, dist=3.0 - self.pos)
+
+
+CORRIDOR = dict(instruction="Walk to the right end.\n", max_actions_per_traj=4, max_tokens=20)
+
+
+def padded(prompts, left):
+    L = max(len(p) for p in prompts)
+    pad = [[0] * (L - len(p)) for p in prompts]
+    ids = torch.tensor([q + p if left else p + q for p, q in zip(prompts, pad)])
+    mask = torch.tensor([[0] * len(q) + [1] * len(p) if left else [1] * len(p) + [0] * len(q) for p, q in zip(prompts, pad)])
+    return ids, mask
+
+
+def teacher_forced_logp(model, tokens, attention_mask, temperature=1.0):
+    """log p(token t | tokens < t) from one plain HF forward, at the position of token t. [B, T]"""
+    with torch.no_grad():
+        logits = model(input_ids=tokens, attention_mask=attention_mask.long()).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(len(tokens), 1), logp], 1)
+
+
+def test_tiny_models_build_fast_deterministic_and_leave_rng_alone():
+    for name, cls in (("tiny", "LlamaForCausalLM"), ("tiny-qwen2", "Qwen2ForCausalLM")):
+        torch.manual_seed(123)
+        before = torch.rand(1)
+        torch.manual_seed(123)
+        t = time.time()
+        m1, tok = rollout.load_model(name)
+        assert time.time() - t < 1.0 and type(m1).__name__ == cls and len(tok) == m1.config.vocab_size == 259
+        assert torch.rand(1) == before  # building the model did not consume the global RNG
+        m2, _ = rollout.load_model(name)
+        assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+        text = "héllo ✓ <answer>Up || Left</answer>"
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
+    rollout.save_tiny(tmp_path / "q", arch="qwen2")
+    model, tok = rollout.load_model(str(tmp_path / "q"))
+    ref, ref_tok = rollout.build_tiny("qwen2")
+    assert type(model).__name__ == "Qwen2ForCausalLM" and type(tok).__name__ == "Qwen2Tokenizer"
+    assert tok.chat_template == ref_tok.chat_template and rollout.chat_pieces(tok) == rollout.chat_pieces(ref_tok)
+    prompt = [tok.encode("Turn 1:\nState:\n_P_O", add_special_tokens=False)]
+    assert rollout.generate(model, prompt, 12, greedy=True)[0] == rollout.generate(ref, prompt, 12, greedy=True)[0]
+
+
+def test_load_model_errors_are_clear(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="neither"):
+        rollout.load_model("no-such-model")
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to fall back on
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="--model smollm2"):
+        rollout.load_model("nobody/no-such-repo")
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_greedy_sampler_matches_references_on_ragged_batches(tiny, left):
+    model, tok = tiny
+    texts = ["a long prompt about a sokoban room", "hi", "<|im_start|>user\nmedium one", "x" * 50]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    stop = {tok.eos_token_id, tok.pad_token_id}
+    ids, mask = padded(prompts, left)
+    ours, _ = rollout.generate(model, ids, 24, stop, attention_mask=mask, greedy=True)
+    assert ours == rollout.reference_generate(model, prompts, 24, stop)
+    hf_ids, hf_mask = padded(prompts, left=True)
+    hf = model.generate(input_ids=hf_ids, attention_mask=hf_mask, max_new_tokens=24, do_sample=False,
+                        eos_token_id=sorted(stop), pad_token_id=0)[:, hf_ids.shape[1]:]
+    assert all(hf[b, :len(o)].tolist() == o for b, o in enumerate(ours))
+
+
+def test_sampler_logprobs_equal_teacher_forced_forward(tiny):
+    model, tok = tiny
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["State:\n#P_O#", "hello", "abc" * 9]]
+    toks, lps = rollout.generate(model, prompts, 20, temperature=0.7, top_p=0.9, seed=3)
+    for p, o, lp in zip(prompts, toks, lps):
+        x = torch.tensor([p + o])
+        tf = teacher_forced_logp(model, x, torch.ones_like(x), temperature=0.7)[0, len(p):]
+        assert len(o) == 20 and torch.allclose(tf, torch.tensor(lp), atol=1e-4)
+
+
+def test_per_row_stop_budget_seed_and_group_prefill(tiny):
+    model, tok = tiny
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
+    stop = set(range(3, 200))  # most byte tokens stop, so rows stop at different steps
+    toks, _ = rollout.generate(model, prompts, 30, stop, seed=1)
+    for o in toks:
+        assert 1 <= len(o) <= 30 and all(t not in stop for t in o[:-1]) and (o[-1] in stop or len(o) == 30)
+    a = rollout.generate(model, prompts, 16, seed=5)
+    b = rollout.generate(model, prompts, 16, seed=5)
+    assert a == b
+    # a group of 4 identical prompts is prefilled once and copied; it must equal 4 separate prefills
+    group = [prompts[2]] * 4
+    shared = rollout.generate(model, group, 16, greedy=True)
+    alone = rollout.generate(model, prompts[2:], 16, greedy=True)
+    assert shared[0] == alone[0] * 4
+    assert max(abs(x - y) for row in shared[1] for x, y in zip(row, alone[1][0])) < 1e-5
+
+
+def test_parse_response_follows_ragen():
+    p = rollout.parse_response
+    assert p("<think>go right</think> <answer>Right || Up</answer>", True, 5) == ("go right", ["Right", "Up"], True)
+    assert p("<think>a</think><answer>Right</answer> trailing text <answer>Up</answer>", True, 5)[1] == ["Right"]
+    assert p("<think>no answer tag", True, 5) == ("", [], False)
+    assert p("<think>x</think>junk<answer>Up</answer>", True, 5)[2] is False  # only whitespace between the tags
+    assert p("<think>x</think><answer> A || B || C || D </answer>", True, 2)[1] == ["A", "B"]
+    assert p("<think>x</think><answer> || </answer>", True, 5) == ("x", [], True)
+    assert p("<answer>Left<|im_end|></answer>", False, 5) == ("", ["Left"], True)
+
+
+def scripted(monkeypatch, tok, replies):
+    """Replace the sampler by scripted replies (text per call and row); records the rows asked each turn."""
+    calls = []
+
+    def fake_sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, *args):
+        active = [i for i, x in enumerate(new_ids) if x]
+        cache.lens += torch.tensor([len(x) for x in new_ids])
+        text = replies[len(calls)]
+        calls.append(len(active))
+        toks = [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] if x else [] for x in new_ids]
+        return toks, [[-1.0] * len(t) for t in toks]
+    monkeypatch.setattr(rollout, "sample_turn", fake_sample_turn)
+    return calls
+
+
+def test_agent_loop_penalties_budget_success(monkeypatch, tiny):
+    model, tok = tiny
+    replies = ["go</think><answer>Right || Jump || Right</answer> extra",   # unknown action: penalty, no budget
+               "hmm</think><answer></answer>",                              # empty answer: penalty
+               "no tags at all",                                            # missing tags: penalty
+               "ok</think><answer>Left || Right || Right || Right || Right || Right</answer>"]  # 5 kept, budget 4
+    calls = scripted(monkeypatch, tok, replies)
+    out = rollout.rollout(model, tok, [CorridorEnv(), CorridorEnv()], [0, 0], CORRIDOR, group_size=2, max_turns=5)
+    s = out["stats"]
+    assert calls == [2, 2, 2, 2]  # both episodes end in turn 4, when the action budget runs out
+    assert s["num_turns"].tolist() == [4, 4] and s["format_errors"].tolist() == [3, 3]
+    # turn 1: Right, Right (2 actions); turn 4: Left, Right, hits the budget of 4 at pos 2 -> truncated, not success
+    assert s["num_actions"].tolist() == [4, 4] and s["invalid_actions"].tolist() == [1, 1]
+    assert s["valid_actions"].tolist() == [2 + 5, 2 + 5]  # not-executed actions are still checked against the names
+    assert out["turn_rewards"][0] == [0.0, 0.0, 0.0, 0.0] and out["success"].tolist() == [False, False]
+    assert out["penalty"].tolist() == pytest.approx([-0.3, -0.3]) and out["scores"].tolist() == pytest.approx([-0.3, -0.3])
+    assert "You have 2 actions left" in out["text"][0] and "Reward:\n0.0\n\nTurn 2:" in out["text"][0]
+    assert out["responses"][0][0]["actions"] == ["Right", "Jump", "Right"] and "dist" in s
+
+
+def test_agent_loop_success_drops_finished_rows(monkeypatch, tiny):
+    model, tok = tiny
+    replies = ["a</think><answer>Right || Right || Right</answer>", "b</think><answer>Right</answer>"]
+    calls = scripted(monkeypatch, tok, replies)
+    envs = [CorridorEnv(), CorridorEnv()]
+    envs[1].step = lambda a, e=envs[1]: CorridorEnv.step(e, "Left")  # a hopeless second row
+    out = rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=2, think=True)
+    assert calls == [2, 1]   # row 0 reached the goal after 3 actions and left the batch
+    assert out["success"].tolist() == [True, False] and out["turn_rewards"][0] == [1.0]
+    assert out["scores"].tolist() == pytest.approx([1.0, 0.0]) and out["stats"]["num_actions"].tolist() == [3, 4]
+    assert out["group"].tolist() == [0, 1]
+
+
+def check_consistent(out, tok, B, think=True):
+    T = out["tokens"].shape[1]
+    for k in ("tokens", "attention_mask", "loss_mask", "old_logp"):
+        assert out[k].shape == (B, T)
+    assert not (out["loss_mask"] & ~out["attention_mask"]).any() and (out["old_logp"][~out["loss_mask"]] == 0).all()
+    assert (out["old_logp"][out["loss_mask"]] <= 0).all()
+    for b in range(B):
+        n = int(out["stats"]["num_turns"][b])
+        assert len(out["turn_ends"][b]) == len(out["turn_rewards"][b]) == len(out["responses"][b]) == n
+        # masked spans == the sampled responses, each ending at its turn end, right after the forced tag
+        m, spans = out["loss_mask"][b].tolist() + [False], []
+        for i in range(T):
+            if m[i] and (i == 0 or not m[i - 1]):
+                spans.append((i, m.index(False, i) - 1))
+        assert [j for _, j in spans] == out["turn_ends"][b]
+        forced = "<think>" if think else "<answer>"
+        for (i, j), resp in zip(spans, out["responses"][b]):
+            assert forced + tok.decode(out["tokens"][b, i:j + 1], skip_special_tokens=True) == resp["raw"]
+            assert tok.decode(out["tokens"][b, i - len(forced):i]) == forced  # forced tag: in the sequence, not in the mask
+            assert out["tokens"][b, j + 1] in (tok.convert_tokens_to_ids("<|im_end|>"), tok.encode("\n")[0])
+        assert out["text"][b] == tok.decode(out["tokens"][b][out["attention_mask"][b]])
+    assert out["scores"].tolist() == pytest.approx([sum(r) + p for r, p in zip(out["turn_rewards"], out["penalty"].tolist())])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_kv_reuse_equals_reprefill_and_old_logp_equals_training_forward(tiny, greedy):
+    model, tok = tiny
+    preset, outs = SOKOBAN_PRESETS["SimpleSokoban"], []
+    for reuse in (True, False):
+        envs = [SokobanEnv(**preset["kwargs"]) for _ in range(4)]
+        outs.append(rollout.rollout(model, tok, envs, [3, 3, 8, 8], preset, group_size=2, max_turns=3, max_new_tokens=24,
+                                    greedy=greedy, kv_reuse=reuse, sample_seed=0))
+    a, b = outs
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    assert torch.allclose(a["old_logp"], b["old_logp"], atol=1e-4)
+    check_consistent(a, tok, 4)
+    tf = teacher_forced_logp(model, a["tokens"], a["attention_mask"])
+    assert torch.allclose(tf[a["loss_mask"]], a["old_logp"][a["loss_mask"]], atol=1e-4)
+
+
+def test_static_shape_path_gives_the_same_rollout(monkeypatch, tiny):
+    # the CUDA layout (fixed batch with idle rows, fixed capacity, bucketed key length), run eagerly on CPU
+    model, tok = tiny
+    preset, outs = FROZENLAKE_PRESETS["FrozenLake"], []
+    for static in (False, True):
+        monkeypatch.setattr(rollout, "STATIC", static)
+        envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)]
+        envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
+        monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Stay"], True))  # only row 1 ends
+        outs.append(rollout.rollout(model, tok, envs, [5, 5, 6, 6], preset, group_size=2, max_turns=3, max_new_tokens=12,
+                                    max_context=1500, greedy=True))  # sampling draws depend on the batch shape
+    a, b = outs
+    assert a["stats"]["num_turns"].tolist()[:2] == [3, 1]
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
+
+
+def test_multi_turn_rollout_on_sokoban_and_frozenlake(tiny):
+    model, tok = tiny
+    for env_cls, preset, think in ((SokobanEnv, SOKOBAN_PRESETS["SimpleSokoban"], True),
+                                   (FrozenLakeEnv, FROZENLAKE_PRESETS["FrozenLake"], False)):
+        envs = [env_cls(**preset["kwargs"]) for _ in range(6)]
+        out = rollout.rollout(model, tok, envs, [1, 1, 1, 2, 2, 2], preset, group_size=3, max_turns=3,
+                              max_new_tokens=16, think=think, sample_seed=2)
+        check_consistent(out, tok, 6, think=think)
+        assert out["group"].tolist() == [0, 0, 0, 1, 1, 1] and out["stats"]["num_turns"].tolist() == [3] * 6
+        assert all(set(v.shape) == {6} for v in out["stats"].values())
+        first = out["text"][0].split("<|im_start|>assistant")[0]
+        assert first == out["text"][1].split("<|im_start|>assistant")[0] != out["text"][3].split("<|im_start|>assistant")[0]
+        assert preset["instruction"] + "\nTurn 1:\nState:\n" + envs[3].__class__(**preset["kwargs"]).reset(2) in out["text"][3]
+
+
+def test_context_overflow_truncates_cleanly(tiny):
+    model, tok = tiny
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(2)]
+    first = rollout.rollout(model, tok, envs, [4, 4], preset, group_size=2, max_turns=1, max_new_tokens=8, greedy=True)
+    L1 = first["tokens"].shape[1]
+    out = rollout.rollout(model, tok, envs, [4, 4], preset, group_size=2, max_turns=5, max_new_tokens=8, greedy=True,
+                          max_context=L1 + 40)  # room for turn 1 only
+    assert out["stats"]["context_truncated"].tolist() == [True, True] and out["stats"]["num_turns"].tolist() == [1, 1]
+    assert torch.equal(out["tokens"], first["tokens"]) and out["tokens"].shape[1] <= L1 + 40
+    tiny_ctx = rollout.rollout(model, tok, envs, [4, 4], preset, group_size=2, max_turns=2, max_context=100)
+    assert tiny_ctx["stats"]["num_turns"].tolist() == [0, 0] and not tiny_ctx["loss_mask"].any()
+    assert tiny_ctx["stats"]["context_truncated"].all() and tiny_ctx["scores"].tolist() == [0.0, 0.0]
+
+
+def test_gumbel_sampler_draws_from_the_softmax_and_nucleus():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(40000, 1)             # [N, 4]
+    keys = rollout.row_keys(range(40000), [9] * 40000)
+    tok, lp = rollout.sample_next(logits, keys, temperature=0.8)
+    freq = torch.bincount(tok, minlength=4) / len(tok)
+    assert torch.allclose(freq, torch.softmax(logits[0] / 0.8, -1), atol=0.01)
+    assert torch.allclose(lp, torch.log_softmax(logits / 0.8, -1).gather(-1, tok[:, None]).squeeze(-1))
+    tok, _ = rollout.sample_next(logits, keys, top_p=0.7)  # nucleus of p = [.64, .24, ...] at 0.7: tokens 2 and 1
+    p = torch.softmax(logits[0], -1)[[2, 1]]
+    freq = torch.bincount(tok, minlength=4) / len(tok)
+    assert freq[0] == 0 and freq[3] == 0 and abs(freq[2] - p[0] / p.sum()) < 0.01
+
+
+def test_sampling_is_the_same_whatever_the_batch_split(tiny):
+    # what makes 1-process and N-rank training sample the same trajectories: noise keyed per episode
+    model, tok = tiny
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    seeds = [s for s in (5, 6, 7, 8) for _ in range(2)]
+    run = lambda sl: rollout.rollout(model, tok, [FrozenLakeEnv() for _ in seeds[sl]], seeds[sl], preset, group_size=2,
+                                     max_turns=2, max_new_tokens=10, think=False, sample_seed=3)
+    whole, halves = run(slice(0, 8)), [run(slice(0, 4)), run(slice(4, 8))]
+    rows = [(h, i) for h in halves for i in range(4)]
+    for b, (h, i) in enumerate(rows):
+        n = int(whole["attention_mask"][b].sum())
+        assert n == int(h["attention_mask"][i].sum())
+        assert torch.equal(whole["tokens"][b, :n], h["tokens"][i, :n])
+    assert not torch.equal(whole["tokens"][0], whole["tokens"][1])  # members of a group still differ
+
+
+def test_rollout_rejects_bad_groups(tiny):
+    model, tok = tiny
+    envs = [CorridorEnv() for _ in range(4)]
+    with pytest.raises(ValueError, match="share a seed"):
+        rollout.rollout(model, tok, envs, [0, 1, 2, 2], CORRIDOR, group_size=2)
+    with pytest.raises(ValueError, match="divisible"):
+        rollout.rollout(model, tok, envs[:3], [0, 0, 0], CORRIDOR, group_size=2)
+
+
+# ==================================================================================================
+# Evaluation and plots (eval.py)
+# ==================================================================================================
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_EVAL = ["--model", "tiny", "--num-seeds", "2", "--samples", "2", "--max-new-tokens", "8", "--max-turns", "2"]
+
+
+def run_eval(*flags):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, os.path.join(HERE, "eval.py"), *flags], capture_output=True, text=True,
+                          cwd=HERE, env=env, timeout=600)
+
+
+def test_pass_at_k_hand_made():
+    # 5 samples, 2 successes: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; pass@3 = 1 - 1/10; pass@4 = 1
+    assert ev.pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert ev.pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert ev.pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    assert ev.pass_at_k(5, 2, 4) == 1.0 and ev.pass_at_k(5, 5, 5) == 1.0
+    assert ev.pass_at_k(5, 0, 5) == 0.0
+    for n in range(1, 9):  # the product form equals the binomial formula everywhere
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert ev.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+    with pytest.raises(ValueError):
+        ev.pass_at_k(2, 1, 3)
+
+
+def test_summarize_hand_made_records():
+    stats = lambda valid, invalid, errors: dict(num_turns=2, valid_actions=valid, invalid_actions=invalid,
+                                                format_errors=errors, response_tokens=10, think_tokens=4)
+    recs = [dict(seed=123, success=True, score=1.0, stats=stats(1, 0, 0)),   # seed 123: 2 of 4 succeed
+            dict(seed=123, success=False, score=0.0, stats=stats(1, 1, 1)),
+            dict(seed=123, success=True, score=1.0, stats=stats(1, 0, 0)),
+            dict(seed=123, success=False, score=0.0, stats=stats(0, 0, 2)),
+            dict(seed=124, success=False, score=0.0, stats=stats(1, 0, 0))] + [   # seed 124: 0 of 4
+            dict(seed=124, success=False, score=0.0, stats=stats(1, 0, 0))] * 3
+    row = ev.summarize(recs, samples=4)
+    assert row["success"] == pytest.approx(2 / 8)
+    assert row["pass@2"] == pytest.approx((1 - math.comb(2, 2) / math.comb(4, 2) + 0) / 2)  # (5/6 + 0) / 2
+    assert row["pass@4"] == pytest.approx(0.5)
+    assert row["valid_action_rate"] == pytest.approx(7 / 8)
+    assert row["format_ok_rate"] == pytest.approx(1 - 3 / 16)
+    assert row["score"] == pytest.approx(0.25) and row["turns"] == 2 and row["response_tokens"] == 10
+
+
+def test_eval_tiny_each_env_writes_jsonl_and_table(tmp_path):
+    out = str(tmp_path / "ev")
+    r = run_eval(*TINY_EVAL, "--env", "bandit", "sokoban", "--env", "frozenlake", "webshop", "--out", out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.load(open(os.path.join(out, "summary.json")))["results"]
+    for preset in ("Bandit", "SimpleSokoban", "FrozenLake", "WebShop"):
+        assert f"| {preset} |" in r.stdout  # the table row
+        recs = [json.loads(l) for l in open(os.path.join(out, f"{preset}.jsonl"))]
+        assert [(x["seed"], x["sample"]) for x in recs] == [(123, 0), (123, 1), (124, 0), (124, 1)]
+        for x in recs:
+            assert {"preset", "success", "score", "turn_rewards", "stats", "turns", "text"} <= set(x)
+            assert 1 <= len(x["turns"]) <= 2 and len(x["turn_rewards"]) == len(x["turns"])
+            for t in x["turns"]:
+                assert {"prompt", "raw", "think", "actions", "reward", "info"} <= set(t)
+                assert t["raw"].startswith("<think>")
+            assert x["turns"][0]["prompt"].startswith("<|im_start|>system")  # the exact tokens the model saw
+            assert x["turns"][0]["prompt"].endswith("<|im_start|>assistant\n<think>")
+            assert x["turns"][0]["prompt"] in x["text"]
+        row = summary[preset]
+        assert row["episodes"] == 4 and 0 <= row["success"] <= row["pass@2"] <= 1
+        assert row["turns"] == pytest.approx(sum(x["stats"]["num_turns"] for x in recs) / 4)
+
+
+def test_train_run_then_eval_run_dir_and_plot(tmp_path):
+    """A real 2-step tiny train.py run: eval.py loads <run>/hf with the run's flags, --plot draws its curves."""
+    run = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model", "tiny", "--env", "bandit", "--steps", "2",
+                        "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
+                        "--max-new-tokens", "12", "--max-turns", "2", "--val-groups", "2", "--val-every", "1",
+                        "--no-think", "--out", run], capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_eval("--model", run, "--num-seeds", "2", "--greedy", "--out", str(tmp_path / "ev"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.load(open(tmp_path / "ev" / "summary.json"))
+    assert s["args"]["no_think"] is True and s["args"]["max_turns"] == 2 and s["args"]["max_new_tokens"] == 12
+    assert s["args"]["greedy"] is True and s["args"]["temperature"] == 0.5  # the run's --val-temperature
+    assert set(s["results"]) == {"Bandit", "BanditTest"}  # the run's validation presets
+    rec = json.loads(open(tmp_path / "ev" / "Bandit.jsonl").readline())
+    assert rec["turns"][0]["raw"].startswith("<answer>")  # no-think mode came from args.json
+    r = run_eval("--plot", run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    png = os.path.join(run, "curves.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
+
+
+def test_plot_hand_written_metrics(tmp_path):
+    keys = lambda s: {"step": s, "train/Bandit/success": s / 10, "train/Bandit/score": s / 5 - 0.1,
+                      "train/Bandit/response_tokens": 30 - s, "train/Bandit/think_tokens": 0.0,
+                      "train/Bandit/format_errors": 0.5, "train/Bandit/num_turns": 1.0,
+                      "rollout/in_group_std": 0.4 - s / 50, "rollout/kept_fraction": 0.25, "actor/entropy": 1.0 - s / 20,
+                      "actor/grad_norm": 0.3, "warnings": []}
+    lines = [keys(s) for s in range(6)]
+    lines[0].update({"val-env/Bandit/success": 0.1, "val-env/Bandit/score": 0.0})
+    lines.append({"step": 6, "val-env/Bandit/success": 0.6, "val-env/Bandit/score": 0.5})
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    path = ev.plot_run(str(tmp_path))
+    assert path == str(tmp_path / "curves.png") and os.path.getsize(path) > 10_000
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(SystemExit) as e:
+        ev.plot_run(str(tmp_path))
+    assert e.value.code == 2 and "pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny", "--env", "chess"], "unknown env or preset 'chess'"),
+    (["--model", "./no/such/dir", "--env", "bandit"], "no model directory"),
+    (["--model", "tiny"], "give --env"),
+    (["--env", "bandit"], "give --model"),
+    (["--model", "tiny", "--env", "bandit", "--samples", "0"], "--samples"),
+])
+def test_bad_input_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        ev.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_bad_input_run_dirs(tmp_path, capsys):
+    run = tmp_path / "run"  # a run directory whose run has not saved a checkpoint yet
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"val_env": ["Bandit"]}))
+    r = run_eval("--model", str(run))  # through the real entry point: exit code 2, one line, no traceback
+    assert r.returncode == 2 and "has no hf/" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    for argv, message in [(["--plot", str(tmp_path)], "no metrics.jsonl"),
+                          (["--model", str(tmp_path), "--env", "bandit"], "not a model directory")]:
+        with pytest.raises(SystemExit) as e:
+            ev.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+# ==================================================================================================
+# Training script end to end (train.py, subprocesses incl. torchrun)
+# ==================================================================================================
+
+TINY = ["--model", "tiny", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
+        "--micro-batch-size", "2", "--max-new-tokens", "12", "--max-turns", "2", "--val-groups", "2", "--val-every", "2",
+        "--log-trajectories-every", "1"]
+
+
+def run_train(*flags, torchrun=0, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def read_metrics(out):
+    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def comparable(m):
+    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+@pytest.mark.parametrize("env", ["bandit", "sokoban", "frozenlake", "webshop"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_two_step_run_each_env_and_algo(tmp_path, env, algo):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", env, "--algo", algo, "--steps", "2", "--out", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1, 2]  # two steps, then the final validation
+    assert all(k in ms[0] for k in ("actor/pg_loss", "actor/entropy", "rollout/in_group_std", "timing_s/rollout"))
+    assert ("critic/vf_loss" in ms[0]) == (algo == "ppo")
+    assert os.path.exists(os.path.join(out, "ckpt.pt")) and os.path.exists(os.path.join(out, "args.json"))
+
+
+def test_resume_after_kill_matches_uninterrupted(tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    flags = [*TINY, "--env", "sokoban", "--algo", "ppo", "--save-every", "2"]
+    run_train(*flags, "--steps", "4", "--out", full)
+    run_train(*flags, "--steps", "2", "--out", part)          # the "killed" run: stops after its step-1 checkpoint
+    run_train(*flags, "--steps", "4", "--resume", part)       # continues at step 2
+    a, b = read_metrics(full), read_metrics(part)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a, b):
+        x, y = comparable(x), comparable(y)
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
+    wa = torch.load(os.path.join(full, "ckpt.pt"), weights_only=False)["actor"]
+    wb = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)["actor"]
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_torchrun_two_ranks_matches_one_process(tmp_path):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3"]
+    run_train(*flags, "--out", one)
+    run_train(*flags, "--out", two, torchrun=2)
+    a, b = read_metrics(one), read_metrics(two)
+    for x, y in zip(a, b):
+        for k in ("train/FrozenLake/score", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm"):
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
+    wa = torch.load(os.path.join(one, "ckpt.pt"), weights_only=False)["actor"]
+    wb = torch.load(os.path.join(two, "ckpt.pt"), weights_only=False)["actor"]
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+def test_injected_nan_is_skipped(tmp_path):
+    out = str(tmp_path / "nan")
+    r = run_train(*TINY, "--env", "bandit", "--algo", "grpo", "--steps", "2", "--val-every", "0", "--inject-nan", "0", "--out", out)
+    ms = read_metrics(out)
+    assert ms[0]["actor/skipped_updates"] == 1 and ms[1]["actor/skipped_updates"] == 1
+    w = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
+    assert all(torch.isfinite(v).all() for v in w.values())
+    assert "update skipped" in r.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--env", "chess"], "unknown env or preset 'chess'"),
+    (["--filter-ratio", "0.25", "--mini-batch-size", "4"], "not a positive multiple of --mini-batch-size"),
+    (["--model", "/nonexistent/model-dir"], "cannot load --model"),
+    (["--resume", "/nonexistent/run"], "no ckpt.pt there"),
+])
+def test_bad_flags_give_one_line_errors(flags, message):
+    r = run_train(*TINY, "--steps", "1", *flags, check=False)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_resume_with_different_flags_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
+    r = run_train(*TINY, "--env", "bandit", "--steps", "2", "--val-every", "0", "--resume", out, "--algo", "grpo", check=False)
+    assert r.returncode != 0 and "--algo was 'ppo', now 'grpo'" in r.stdout + r.stderr
+
+
+def test_exported_hf_dir_loads_and_generates(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "hf"))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
+    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
