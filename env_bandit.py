@@ -27,8 +27,9 @@ Game Rules:
 def bandit_preset(lo, hi):
     # RAGEN builds no legend or action list for the bandit (its action names are only known after
     # reset), so the prompt prefix is empty and the whole game text is the observation
+    # config/_1_bandit.yaml: one turn with one action
     return dict(kwargs=dict(lo_arm_name=lo, hi_arm_name=hi), instruction="", max_actions_per_traj=1,
-                max_tokens=100)
+                max_tokens=100, max_turns=1, max_actions_per_turn=1)
 
 
 PRESETS = {

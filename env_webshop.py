@@ -56,7 +56,8 @@ RENDER_INSTRUCTIONS = [  # ragen/env/webshop/env.py; the missing comma after the
 PRESETS = {  # config/envs.yaml tag WebShop (dataset small -> our 1,000-product catalog); _6_webshop.yaml
     # WebShopEnvConfig has no grid_vocab / action_lookup, so RAGEN's prompt prefix is env_instruction alone
     "WebShop": dict(kwargs=dict(num_products=1000, catalog_seed=0), instruction=WEBSHOP_INSTRUCTION,
-                    max_actions_per_traj=9, max_tokens=200),
+                    max_actions_per_traj=9, max_tokens=200,
+                    max_turns=9, max_actions_per_turn=1, max_context=15000),  # _6_webshop.yaml agent_proxy, max_model_len
 }
 
 # ----------------------------------------------------------------------------- WebShop constants

@@ -36,8 +36,9 @@ SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "Fr
 # flags a run directory's args.json provides as defaults (its validation settings become ours)
 FROM_RUN = dict({k: k for k in ("no_think", "max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens",
                                  "max_context", "format_penalty", "val_seed")}, temperature="val_temperature", env="val_env")
-DEFAULTS = dict(no_think=False, max_turns=5, max_actions_per_turn=5, max_actions_per_traj=None, max_new_tokens=400,
-                max_context=3600, format_penalty=-0.1, temperature=0.5, val_seed=123, env=None)
+DEFAULTS = dict(no_think=False, max_actions_per_traj=None, max_new_tokens=400,
+                format_penalty=-0.1, temperature=0.5, val_seed=123, env=None)
+AGENT_DEFAULTS = dict(max_turns=5, max_actions_per_turn=5, max_context=3600)  # unless the preset fixes them (as train.py)
 
 
 def die(msg):
@@ -158,12 +159,13 @@ def evaluate(args):
     os.makedirs(args.out, exist_ok=True)
     mode = "greedy" if args.greedy else f"T={args.temperature}"
     print(f"{args.model} on {presets} | {args.num_seeds} seeds from {args.val_seed} x {args.samples} samples, {mode}, "
-          f"think={not args.no_think}, {args.max_turns} turns x {args.max_new_tokens} tokens | {device} -> {args.out}")
+          f"think={not args.no_think}, {args.max_new_tokens} tokens per turn | {device} -> {args.out}")
 
     rows = {}
     for key in presets:
         cls, preset = ENV_CLASSES[key]
         preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
+        loop = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, v) for k, v in AGENT_DEFAULTS.items()}
         groups_per_call = max(1, args.batch_size // args.samples)  # bounded KV-cache memory
         records, t0, envs = [], time.time(), []
         for g0 in range(0, args.num_seeds, groups_per_call):
@@ -171,9 +173,9 @@ def evaluate(args):
             seeds = [args.val_seed + g for g in gs for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
             out = rollout(model, tok, envs[:len(seeds)], seeds, preset, group_size=args.samples,
-                          max_turns=args.max_turns, max_actions_per_turn=args.max_actions_per_turn,
+                          max_turns=loop["max_turns"], max_actions_per_turn=loop["max_actions_per_turn"],
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          greedy=args.greedy, think=not args.no_think, max_context=args.max_context,
+                          greedy=args.greedy, think=not args.no_think, max_context=loop["max_context"],
                           format_penalty=args.format_penalty, kv_reuse=not args.no_kv_reuse, sample_seed=args.sample_seed,
                           split=args.split if cls is env_webshop.WebShopEnv else None)
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
@@ -260,11 +262,11 @@ def main(argv=None):
     p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler's random draws")
     p.add_argument("--no-think", action="store_true", default=None, help="answer-only mode (enable_think=False)")
     p.add_argument("--think", dest="no_think", action="store_false", help="thinking on, overriding a run's --no-think")
-    p.add_argument("--max-turns", type=int, default=None, help="default 5 (a run dir: its own value, as below)")
-    p.add_argument("--max-actions-per-turn", type=int, default=None, help="default 5")
+    p.add_argument("--max-turns", type=int, default=None, help="default 5 or the preset's (Bandit 1, WebShop 9); a run dir: its own value")
+    p.add_argument("--max-actions-per-turn", type=int, default=None, help="default 5 or the preset's (Bandit, WebShop 1)")
     p.add_argument("--max-actions-per-traj", type=int, default=None, help="default: the preset's")
     p.add_argument("--max-new-tokens", type=int, default=None, help="response tokens per turn, default 400")
-    p.add_argument("--max-context", type=int, default=None, help="default 3600")
+    p.add_argument("--max-context", type=int, default=None, help="default 3600 (WebShop 15000)")
     p.add_argument("--format-penalty", type=float, default=None, help="default -0.1")
     p.add_argument("--no-kv-reuse", action="store_true")
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")

@@ -41,7 +41,8 @@ def test_presets_follow_the_interface():
     assert set(FROZENLAKE_PRESETS) == {"FrozenLake"}
     for cls, name in ENV_PRESETS:
         preset = (BANDIT_PRESETS | SOKOBAN_PRESETS | FROZENLAKE_PRESETS)[name]
-        assert set(preset) == {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"}
+        assert {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"} <= set(preset)
+        assert set(preset) <= {"kwargs", "instruction", "max_actions_per_traj", "max_tokens", "max_turns", "max_actions_per_turn"}
         env = cls(**preset["kwargs"])
         assert isinstance(env.reset(0), str) and env.render() == env.reset(0)
         assert preset["max_tokens"] == 100
@@ -582,8 +583,8 @@ def test_indel_ratio_matches_dynamic_programming():
 def test_presets():
     assert set(W.PRESETS) == {"WebShop"}
     p = W.PRESETS["WebShop"]
-    assert set(p) == {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"}
-    assert (p["max_actions_per_traj"], p["max_tokens"]) == (9, 200)
+    assert set(p) == {"kwargs", "instruction", "max_actions_per_traj", "max_tokens", "max_turns", "max_actions_per_turn", "max_context"}
+    assert (p["max_actions_per_traj"], p["max_tokens"], p["max_turns"], p["max_actions_per_turn"]) == (9, 200, 9, 1)
     assert p["instruction"].startswith("You are browsing an online shop.") and p["instruction"].endswith(
         "Valid answer is search[<keywords>] or click[<clickable>].")
     assert len(W.RENDER_INSTRUCTIONS) == 8 and len(W.COLOR_SET) == 102

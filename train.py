@@ -53,11 +53,11 @@ p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDes
 # Environment and agent loop
 p.add_argument("--env", default="sokoban", help="short name (bandit, sokoban, frozenlake, webshop) or any preset")
 p.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
-p.add_argument("--max-turns", type=int, default=None, help="turns per episode (agent_proxy.max_turn; default 5, Bandit 1 as _1_bandit.yaml)")
-p.add_argument("--max-actions-per-turn", type=int, default=5, help="actions kept per turn (agent_proxy.max_actions_per_turn)")
+p.add_argument("--max-turns", type=int, default=None, help="turns per episode (agent_proxy.max_turn; default 5, or the preset's: Bandit 1, WebShop 9)")
+p.add_argument("--max-actions-per-turn", type=int, default=None, help="actions kept per turn (default 5, or the preset's: Bandit and WebShop 1)")
 p.add_argument("--max-actions-per-traj", type=int, default=None, help="action budget per episode (default: the preset's, 10 for Sokoban)")
 p.add_argument("--max-new-tokens", type=int, default=400, help="response tokens per turn (rollout.response_length)")
-p.add_argument("--max-context", type=int, default=3600, help="longest conversation in tokens; longer episodes end as truncated")
+p.add_argument("--max-context", type=int, default=None, help="longest conversation in tokens, longer episodes end as truncated (default 3600, WebShop 15000)")
 p.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
 p.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
 p.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
@@ -121,8 +121,9 @@ if args.vanilla:  # RAGEN train_all.sh USE_BASE: no filter, symmetric clip, KL l
 if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN_SPEC §4.3)
     args.reward_norm = "mean_std" if args.algo == "grpo" else "identity"
 args.env = preset_name(args.env)
-if args.max_turns is None:
-    args.max_turns = 1 if ENV_CLASSES[args.env][0] is env_bandit.BanditEnv else 5
+for key, default in (("max_turns", 5), ("max_actions_per_turn", 5), ("max_context", 3600)):  # RAGEN's per-env configs
+    if getattr(args, key) is None:
+        setattr(args, key, ENV_CLASSES[args.env][1].get(key, default))
 if args.val_env is None:
     args.val_env = [args.env] + (["BanditTest"] if args.env == "Bandit" else [])
 args.val_env = [preset_name(v) for v in args.val_env]
