@@ -2,6 +2,7 @@
 
   python bench.py                                  # CPU: smollm2, batch 32: our sampler vs HF generate, KV reuse vs re-prefill
   python bench.py --only sampler --batch 8 --new-tokens 32
+  python bench.py --only envs                      # reset / step medians of every env preset
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
 
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
@@ -114,6 +115,30 @@ def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
     return per_step, floor
 
 
+def time_envs(n_seeds):
+    """Median reset and step time per preset over n_seeds seeds (one random valid action per seed)."""
+    import random
+    import statistics
+    import env_bandit
+    import env_frozenlake
+    import env_sokoban
+    import env_webshop
+    for cls, presets in ((env_bandit.BanditEnv, env_bandit.PRESETS), (env_sokoban.SokobanEnv, env_sokoban.PRESETS),
+                         (env_frozenlake.FrozenLakeEnv, env_frozenlake.PRESETS), (env_webshop.WebShopEnv, env_webshop.PRESETS)):
+        for name, preset in presets.items():
+            env, resets, steps = cls(**preset["kwargs"]), [], []
+            for seed in range(n_seeds):
+                t = time.perf_counter()
+                env.reset(seed)
+                resets.append(time.perf_counter() - t)
+                action = random.Random(seed).choice(env.actions())
+                t = time.perf_counter()
+                env.step(action)
+                steps.append(time.perf_counter() - t)
+            print(f"env          {name:16s} median reset {statistics.median(resets) * 1e3:7.3f} ms   "
+                  f"median step {statistics.median(steps) * 1e3:7.3f} ms   ({n_seeds} seeds)")
+
+
 def qwen25_05b_random(device, dtype):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -128,7 +153,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "decode"], help="which measurement")
+    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "decode", "envs"], help="which measurement")
     parser.add_argument("--batch", type=int, default=32, help="rows sampled together")
     parser.add_argument("--new-tokens", type=int, default=64, help="sampler bench: tokens per row")
     parser.add_argument("--group-size", type=int, default=8, help="kv bench: rows per group (shared first prompt)")
@@ -137,7 +162,12 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-len", type=int, default=1024, help="decode bench: context length")
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="decode bench: memory bandwidth, bytes/s")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--env-seeds", type=int, default=1000, help="envs bench: seeds per preset")
     args = parser.parse_args()
+    if args.only in ("all", "envs"):
+        time_envs(args.env_seeds)
+    if args.only == "envs":
+        raise SystemExit
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
