@@ -361,7 +361,7 @@ def trim(idx, *tensors):
 def forward_pass(model, what):
     """logp (what='logp') or values (what='values') of this rank's share of kept rows, gathered."""
     share = list(range(kept_rows))[rows_of_this_rank(kept_rows)]
-    res = torch.zeros(kept_rows, batch["tokens"].shape[1])
+    res = torch.zeros(kept_rows, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
     for mb in micro_batches(share):
         tokens, am = trim(mb, batch["tokens"], batch["attention_mask"])
         with autocast():
@@ -369,10 +369,10 @@ def forward_pass(model, what):
                 x = model(tokens, am)
             else:
                 x, _ = starpo.token_logprobs(model, tokens, am, temperature=args.temperature)
-        res[mb, :x.shape[1]] = x.float().cpu()
+        res[mb, :x.shape[1]] = x.float()
     if ddp:
         dist.all_reduce(res)  # each row is filled on exactly one rank, zeros elsewhere
-    return res
+    return res.cpu()
 
 
 def git_commit():
