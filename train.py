@@ -285,7 +285,7 @@ def all_gather_rows(out):
     outs = [out]
     if ddp:
         outs = [None] * world
-        dist.all_gather_object(outs, {k: v for k, v in out.items()})
+        dist.all_gather_object(outs, out)
     T = max(o["tokens"].shape[1] for o in outs)
     merged = {}
     for k in outs[0]:
@@ -334,13 +334,11 @@ def run_rollout(preset_key, n_groups, group_size, seed0, temperature, envs):
     return all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()})
 
 
-def env_metrics(out, prefix):
+def env_metrics(out, prefix, group_size):
     """RAGEN's train/<Tag>/* and val-env/<Tag>/* metrics, over all trajectories (before filtering)."""
-    n = len(out["scores"])
     m = {f"{prefix}/success": out["success"].float().mean().item(),
-         f"{prefix}/score": out["scores"].float().mean().item()}
-    g = out["success"].view(-1, n // int(out["group"].max() + 1) if n else 1)
-    m[f"{prefix}/pass@{g.shape[1]}"] = g.any(dim=1).float().mean().item()
+         f"{prefix}/score": out["scores"].float().mean().item(),
+         f"{prefix}/pass@{group_size}": out["success"].view(-1, group_size).any(dim=1).float().mean().item()}
     for k, v in out["stats"].items():
         m[f"{prefix}/{k}"] = v.float().mean().item()
     return m
@@ -430,7 +428,7 @@ def validate(step, envs):
     m = {}
     for key in args.val_env:
         out = run_rollout(key, args.val_groups, 1, args.val_seed, args.val_temperature, envs)
-        m.update(env_metrics(out, f"val-env/{key}"))
+        m.update(env_metrics(out, f"val-env/{key}", 1))
         if step % max(args.log_trajectories_every, 1) == 0:
             dump_trajectories(out, f"val-{key}-step{step:05d}.jsonl")
     return m
@@ -447,7 +445,7 @@ def save_checkpoint(step):
     tmp = os.path.join(args.out, "ckpt.pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, os.path.join(args.out, "ckpt.pt"))
-    export = copy.deepcopy(rollout_model if rollout_model is not actor else actor).float()
+    export = copy.deepcopy(rollout_model).float()  # a plain (unsharded) model to hold the full weights
     export.load_state_dict(actor_sd)
     hf_tmp, hf_dir = os.path.join(args.out, "hf.tmp"), os.path.join(args.out, "hf")
     export.save_pretrained(hf_tmp)
@@ -503,7 +501,7 @@ for step in bar:
     out = run_rollout(args.env, rollout_groups, args.group_size, args.seed + step * rollout_groups,
                       args.temperature, train_envs)
     timing["rollout"] = time.time() - t0
-    m.update(env_metrics(out, f"train/{args.env}"))
+    m.update(env_metrics(out, f"train/{args.env}", args.group_size))
     if args.log_trajectories_every and step % args.log_trajectories_every == 0:
         dump_trajectories(out, f"train-step{step:05d}.jsonl")
 
