@@ -2,14 +2,17 @@
 
 A random 4x4 lake: each tile is frozen with probability 0.8 (else a hole), start and goal are random
 distinct tiles, and the map is redrawn until a 4-connected path joins them. The ice is slippery:
-the player moves in the intended direction or in one of the two perpendicular ones, 1/3 each, and
-bumping into the edge means staying put. The episode ends in a hole (reward 0) or on the goal (+1).
+the player moves in the intended direction with probability success_rate (1/3 by default; RAGEN-2's
+main table uses 1, a deterministic lake) and else in one of the two perpendicular ones, half of the
+rest each; bumping into the edge means staying put. The episode ends in a hole (reward 0) or on the
+goal (+1).
 Randomness: the map comes from gymnasium's seeding.np_random(seed) (a numpy Generator), the slips
 from a second Generator with the same seed, of which reset draws one number (gymnasium samples
 the start state with it), so a seed gives RAGEN's map and RAGEN's slips.
 
   python env_frozenlake.py --seed 3         # play in the terminal
   python env_frozenlake.py --random 1000    # random-policy success rate
+  python env_frozenlake.py --preset CoordFrozenLake --seed 3   # RAGEN-2's coordinate observation
 """
 import argparse
 import random
@@ -35,9 +38,30 @@ def make_instruction(max_actions):
             + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
 
 
+COORD_INSTRUCTION = (  # RAGEN-2 config/envs.yaml CoordFrozenLake env_instruction, a YAML block ("(5, 5)" as there)
+    "You are solving the FrozenLake puzzle. The observation includes both a symbol grid and zero-indexed coordinates "
+    "for the start, goal, player, and any holes.\nCoordinates range from the top-left corner (0, 0) to the "
+    "bottom-right corner (5, 5).\nBeware that the ice is slippery, so the agent might slide and end up in an "
+    "unintended tile.\nRespond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n")
+
+
+def make_coord_instruction(max_actions):
+    # RAGEN-2 ctx_manager: with observation_format grid_coord there is no symbol legend, only the action list
+    return (COORD_INSTRUCTION + "\nYour available actions are:\n" + ", ".join(ACTIONS)
+            + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
+
+
 PRESETS = {  # config/envs.yaml FrozenLake: env_config null = FrozenLakeEnvConfig defaults
     "FrozenLake": dict(kwargs=dict(size=4, p=0.8, is_slippery=True), instruction=make_instruction(10),
                        max_actions_per_traj=10, max_tokens=100),
+    # RAGEN-2 tags: RAGEN-2's lakes, and RAGEN-2 base.yaml's agent loop (5 turns, at most 2 actions a turn)
+    "CoordFrozenLake": dict(kwargs=dict(observation_format="grid_coord", ragen2_map=True),
+                            instruction=make_coord_instruction(10), max_actions_per_traj=10, max_tokens=120,
+                            max_turns=5, max_actions_per_turn=2),
+    # _3_frozen_lake.yaml (RAGEN-2's main table): CoordFrozenLake with success_rate 1, i.e. no slips
+    "CoordFrozenLakeDet": dict(kwargs=dict(observation_format="grid_coord", success_rate=1.0, ragen2_map=True),
+                               instruction=make_coord_instruction(10), max_actions_per_traj=10, max_tokens=120,
+                               max_turns=5, max_actions_per_turn=2),
 }
 
 
@@ -56,16 +80,19 @@ def has_path(desc, start):
     return False
 
 
-def generate_map(size, p, seed):
-    """RAGEN generate_random_map (ragen/env/frozen_lake/utils.py): rows of S/F/H/G, redrawn until solvable."""
+def generate_map(size, p, seed, ragen2=False):
+    """RAGEN generate_random_map (ragen/env/frozen_lake/utils.py): rows of S/F/H/G, redrawn until solvable.
+    ragen2: RAGEN-2's version, which draws a new board (not just new cells) when start and goal coincide."""
     rng = np.random.default_rng(seed)  # = gymnasium seeding.np_random(seed)
     while True:
         board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])
         while True:  # start and goal: uniform, distinct
             start = (int(rng.integers(0, size)), int(rng.integers(0, size)))
             goal = (int(rng.integers(0, size)), int(rng.integers(0, size)))
-            if start != goal:
+            if start != goal or ragen2:
                 break
+        if start == goal:
+            continue
         board[start], board[goal] = "S", "G"
         desc = ["".join(row) for row in board]
         if has_path(desc, start):
@@ -73,16 +100,19 @@ def generate_map(size, p, seed):
 
 
 class FrozenLakeEnv:
-    def __init__(self, size=4, p=0.8, is_slippery=True):
-        if size < 2 or not 0 < p <= 1:
-            raise ValueError(f"need size >= 2 and 0 < p <= 1, got size={size}, p={p}")
-        self.size, self.p, self.is_slippery = size, p, is_slippery
-        self.desc = None
+    def __init__(self, size=4, p=0.8, is_slippery=True, success_rate=1 / 3, observation_format="grid",
+                 ragen2_map=False):
+        if size < 2 or not 0 < p <= 1 or not 0 <= success_rate <= 1 \
+                or observation_format not in ("grid", "grid_coord"):
+            raise ValueError(f"need size >= 2, 0 < p <= 1, 0 <= success_rate <= 1, observation_format grid or "
+                             f"grid_coord; got {size}, {p}, {success_rate}, {observation_format!r}")
+        self.size, self.p, self.is_slippery, self.success_rate = size, p, is_slippery, success_rate
+        self.observation_format, self.ragen2_map, self.desc = observation_format, ragen2_map, None
 
     def reset(self, seed):
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        self.desc = generate_map(self.size, self.p, seed)
+        self.desc = generate_map(self.size, self.p, seed, self.ragen2_map)
         self.rng = np.random.default_rng(seed)  # gymnasium reset(seed) seeds the slip generator ...
         self.rng.random()                       # ... and spends one draw on the (single) start tile
         self.pos = next((r, row.index("S")) for r, row in enumerate(self.desc) if "S" in row)
@@ -108,7 +138,17 @@ class FrozenLakeEnv:
         grid = [[tile[t] for t in row] for row in self.desc]
         r, c = self.pos
         grid[r][c] = {"H": "X", "G": "√"}.get(self.desc[r][c], "P")
-        return "\n".join("".join(row) for row in grid)
+        text = "\n".join("".join(row) for row in grid)
+        if self.observation_format == "grid":
+            return text
+        # RAGEN-2 frozen_lake/utils.py format_coordinate_render, entities in this order, empty ones left out
+        at = lambda t: [(i, j) for i, row in enumerate(self.desc) for j, ch in enumerate(row) if ch == t]
+        player = {"G": "Player on goal", "H": "Player in hole"}.get(self.desc[r][c], "Player")
+        lines = [f"Board size: {self.size} rows x {self.size} cols (zero-indexed)."]
+        for label, cells in (("Start", at("S")), ("Goal", at("G")), (player, [(r, c)]), ("Holes", at("H"))):
+            if cells:
+                lines.append(f"{label}: " + ", ".join(f"({i}, {j})" for i, j in cells))
+        return "Coordinates: \n" + "\n".join(lines) + "\nGrid Map: \n" + text
 
     def actions(self):
         return list(ACTIONS)
@@ -121,9 +161,10 @@ class FrozenLakeEnv:
             info = dict(action_is_valid=False, action_is_effective=False, success=self._on("G"))
             return self.render(), 0.0, self.done, info
         a = ACTIONS.index(name)
-        if self.is_slippery:  # gymnasium: outcomes [(a-1)%4, a, (a+1)%4], 1/3 each, via cumsum > uniform
-            u = self.rng.random()
-            a = (a - 1) % 4 if u < 1 / 3 else a if u < 2 / 3 else (a + 1) % 4
+        if self.is_slippery:  # gymnasium: outcomes [(a-1)%4, a, (a+1)%4] with probabilities [f, s, f],
+            u = self.rng.random()  # f = (1 - s) / 2, picked by cumsum > uniform (one draw even when s = 1)
+            fail = (1 - self.success_rate) / 2
+            a = (a - 1) % 4 if u < fail else a if u < fail + self.success_rate else (a + 1) % 4
         old, n = self.pos, len(self.desc)
         r = min(max(old[0] + MOVES[a][0], 0), n - 1)  # the edge keeps you in place
         c = min(max(old[1] + MOVES[a][1], 0), n - 1)

@@ -12,6 +12,7 @@ except when generation fails and reseeds (about 1 seed in 10 for LargerSokoban, 
 
   python env_sokoban.py --preset SimpleSokoban --seed 3       # play in the terminal
   python env_sokoban.py --preset SimpleSokoban --random 500   # random-policy success, optimal lengths
+  python env_sokoban.py --preset CoordSokoban --seed 3        # RAGEN-2's coordinate observation
 """
 import argparse
 import random
@@ -43,6 +44,20 @@ def make_instruction(glyphs, max_actions):
             + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
 
 
+COORD_INSTRUCTION = (  # RAGEN-2 config/envs.yaml CoordSokoban env_instruction (a YAML block, trailing spaces kept)
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\nYou are "
+    "provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). \nWhen you are exactly "
+    "next to a box, you can push it by moving in the same direction. \nYou cannot push a box through a wall, and "
+    "you cannot pull a box.\nThe answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n")
+
+
+def make_coord_instruction(max_actions):
+    # RAGEN-2 ctx_manager: with observation_format grid_coord there is no symbol legend, only the action list
+    return (COORD_INSTRUCTION + "\nYour available actions are:\n" + ", ".join(ACTIONS)
+            + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
+
+
 PRESETS = {  # RAGEN tags of config/envs.yaml
     # 6x6, 1 box; search_depth is SokobanEnvConfig's default 300 (the tag does not set it)
     "SimpleSokoban": dict(kwargs=dict(dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300),
@@ -56,6 +71,12 @@ PRESETS = {  # RAGEN tags of config/envs.yaml
                                         glyphs=NEW_VOCAB_GLYPHS),
                             instruction=make_instruction(NEW_VOCAB_GLYPHS, 10), max_actions_per_traj=10,
                             max_tokens=100),
+    # RAGEN-2's default tag (base.yaml trains and validates on it), with its agent loop: 5 turns, at most 2
+    # actions a turn; search_depth is SokobanEnvConfig's default 300
+    "CoordSokoban": dict(kwargs=dict(dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300,
+                                     observation_format="grid_coord"),
+                         instruction=make_coord_instruction(10), max_actions_per_traj=10, max_tokens=120,
+                         max_turns=5, max_actions_per_turn=2),
 }
 
 # ----------------------------------------------------------------------------- room generation
@@ -158,8 +179,8 @@ def generate_room(dim, num_boxes, search_depth, seed):
 
 
 def parse_room(text, glyphs=GLYPHS):
-    """Inverse of render: grid text -> (fixed, boxes, player)."""
-    rows = text.strip("\n").split("\n")
+    """Inverse of render: grid text -> (fixed, boxes, player); a coordinate render is read from its grid."""
+    rows = text.split("Grid Map: \n")[-1].strip("\n").split("\n")
     if len({len(row) for row in rows}) != 1 or any(ch not in glyphs for row in rows for ch in row):
         raise ValueError(f"a room is a rectangle of the glyphs {glyphs!r}, got:\n{text}")
     fixed, boxes, players = [], set(), []
@@ -219,11 +240,14 @@ def solve(room, glyphs=GLYPHS, max_depth=100):
 
 # ----------------------------------------------------------------------------- the environment
 class SokobanEnv:
-    def __init__(self, dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300, glyphs=GLYPHS):
-        if len(dim_room) != 2 or min(dim_room) < 3 or num_boxes < 1 or len(glyphs) != 7:
-            raise ValueError(f"bad config: dim_room={dim_room}, num_boxes={num_boxes}, glyphs={glyphs!r}")
+    def __init__(self, dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300, glyphs=GLYPHS,
+                 observation_format="grid"):
+        if len(dim_room) != 2 or min(dim_room) < 3 or num_boxes < 1 or len(glyphs) != 7 \
+                or observation_format not in ("grid", "grid_coord"):
+            raise ValueError(f"bad config: dim_room={dim_room}, num_boxes={num_boxes}, glyphs={glyphs!r}, "
+                             f"observation_format={observation_format!r}")
         self.dim_room, self.num_boxes, self.max_steps = tuple(dim_room), num_boxes, max_steps
-        self.search_depth, self.glyphs = search_depth, glyphs
+        self.search_depth, self.glyphs, self.observation_format = search_depth, glyphs, observation_format
         self.player = None
 
     def reset(self, seed):
@@ -265,7 +289,18 @@ class SokobanEnv:
             codes = [(3 if k == TARGET else 4) if (r, c) in self.boxes
                      else (6 if k == TARGET else 5) if (r, c) == self.player else k for c, k in enumerate(row)]
             lines.append("".join(self.glyphs[k] for k in codes))
-        return "\n".join(lines)
+        if self.observation_format == "grid":
+            return "\n".join(lines)
+        # RAGEN-2 sokoban/utils.py format_coordinate_render: row-major lists, empty ones left out
+        at = lambda keep: [(r, c) for r, row in enumerate(self.fixed) for c, k in enumerate(row) if keep((r, c), k)]
+        groups = [("Walls", at(lambda p, k: k == WALL)), ("Targets", at(lambda p, k: k == TARGET)),
+                  ("Boxes", at(lambda p, k: p in self.boxes and k != TARGET)),
+                  ("Boxes on target", at(lambda p, k: p in self.boxes and k == TARGET)),
+                  ("Player", at(lambda p, k: p == self.player and k != TARGET)),
+                  ("Player on target", at(lambda p, k: p == self.player and k == TARGET))]
+        coords = [f"Board size: {self.dim_room[0]} rows x {self.dim_room[1]} cols (zero-indexed)."]
+        coords += [f"{label}: " + ", ".join(f"({r}, {c})" for r, c in cells) for label, cells in groups if cells]
+        return "Coordinates: \n" + "\n".join(coords) + "\nGrid Map: \n" + "\n".join(lines)
 
     def actions(self):
         return list(ACTIONS)
