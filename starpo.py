@@ -7,6 +7,8 @@ Layouts used everywhere:
   [B]     per-trajectory scores; groups are consecutive rows: rows g*G .. (g+1)*G-1 are group g.
 Nothing here knows about text, tokenizers or environments; train.py does the plumbing.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -94,19 +96,43 @@ def _group_std(x):
     n = x.shape[-1]
     return ((x - x.mean(-1, keepdim=True)) ** 2).sum(-1).div(max(n - 1, 1)).sqrt()
 
-def grpo_advantages(scores, group_size, norm_std=True, eps=1e-6):
-    """(score - group mean) / (group std + eps), unbiased std: veRL compute_grpo_outcome_advantage.
-    scores [B] -> [B]; train.py broadcasts it over the row's mask. A constant group gives 0 exactly.
-    A group of one keeps its score (veRL: mean 0, std 1); that is what RAGEN's unique uids produce."""
-    if scores.numel() % group_size:
-        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
-    if group_size == 1:
-        return scores.float().clone()
-    x = scores.float().view(-1, group_size)  # [num_groups, G]
-    adv = x - x.mean(-1, keepdim=True)  # [num_groups, G]
-    if norm_std:
-        adv = adv / (_group_std(x).unsqueeze(-1) + eps)  # [num_groups, G]
-    return adv.reshape(-1)  # [B]
+def group_advantages(scores, group, kind="grpo", eps=1e-6):
+    """Outcome advantages from each row's group (veRL core_algos; RAGEN-2 agent_trainer.compute_advantage).
+    scores [N] one score per row, group [N] group ids (any labels; groups may have different sizes) -> [N]:
+      grpo                   (s - mean) / (std + eps), unbiased std (compute_grpo_outcome_advantage)
+      drgrpo                 s - mean (Dr.GRPO: the same with norm_adv_by_std_in_grpo=False)
+      rloo                   (s - mean) * n / (n - 1), i.e. s minus the mean of the others (compute_rloo_outcome_advantage)
+      reinforce_pp_baseline  s - mean; train.py then whitens it over the batch's tokens (..._baseline_outcome_advantage)
+    A group of one has mean 0 and std 1, as veRL: grpo gives s / (1 + eps), the others s. A constant group gives 0."""
+    if kind not in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"):
+        raise ValueError(f"unknown group advantage {kind!r}")
+    x = scores.float()
+    adv = torch.empty_like(x)  # [N]
+    for g in torch.unique(group):
+        rows = group == g  # [N] bool
+        s, n = x[rows], int(rows.sum())
+        mean, std = (s.mean(), _group_std(s)) if n > 1 else (0.0, 1.0)
+        if kind == "grpo":
+            adv[rows] = (s - mean) / (std + eps)
+        elif kind == "rloo":
+            adv[rows] = (s - mean) * n / (n - 1) if n > 1 else s
+        else:
+            adv[rows] = s - mean
+    return adv
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards, mask, gamma=1.0):
+    """REINFORCE++ (veRL compute_reinforce_plus_plus_outcome_advantage): the discounted reward-to-go over every
+    position, reset to 0 after each position with mask 0, whitened over the batch's masked tokens.
+    rewards, mask [B, T] -> (advantages, returns) [B, T]. In a multi-turn row the reset happens at every
+    observation token, so only the turn that holds a reward sees it: veRL's rule on RAGEN's token layout."""
+    m = mask.float()
+    returns, run = torch.zeros_like(rewards, dtype=torch.float32), rewards.new_zeros(rewards.shape[0]).float()
+    for t in reversed(range(rewards.shape[1])):
+        run = rewards[:, t].float() + gamma * run  # [B]
+        returns[:, t] = run
+        run = run * m[:, t]
+    return masked_whiten(returns, m), returns
 
 def normalize_scores(scores, group_size, grouping="state", method="identity", tags=None):
     """RAGEN ctx_manager._normalize_score_tensor on per-trajectory scores [B] (penalty already added).
@@ -141,33 +167,92 @@ def normalize_scores(scores, group_size, grouping="state", method="identity", ta
         out[rows] = x.clamp(-1.0, 3.0) if method == "asym_clip" else x  # asym_clip: RAGEN [-1, 3]
     return out
 
-# ----------------------------------------------------------------------------- StarPO-S filtering
+# ----------------------------------------------------------------------------- StarPO-S / RAGEN-2 filtering
 
-def filter_groups(scores, group_size, keep_ratio, kind="std"):
-    """StarPO-S uncertainty filtering (RAGEN agent_trainer._filter_rollout). scores [B] -> (keep [B]
-    bool row mask, stats). kind "std" keeps the int(keep_ratio * num_groups) groups with the largest
-    in-group (unbiased) reward std, "std_rev" the smallest; keep_ratio >= 1 keeps all. Differences:
-    ties are broken by group index (lower index wins, a stable sort) where RAGEN's topk leaves them
-    unspecified, and at least one group is kept where RAGEN's int(...) == 0 would keep none.
-    stats: python floats named as RAGEN logs them under rollout/: in_group_{std,max,mean} (averaged
-    over all groups) and chosen_in_group_{std,max,mean} (over the kept groups)."""
-    if scores.numel() % group_size:
-        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
-    if kind not in ("std", "std_rev"):
-        raise ValueError(f"unknown filter kind {kind!r} (RAGEN offers 'std' and 'std_rev')")
-    x = scores.float().view(-1, group_size)  # [num_groups, G]
-    num_groups = x.shape[0]
-    std = _group_std(x)  # [num_groups]
-    per_group = dict(std=std, max=x.max(-1).values, mean=x.mean(-1))  # each [num_groups]
-    kept = torch.ones(num_groups, dtype=torch.bool, device=x.device)  # [num_groups]
-    if keep_ratio < 1:
-        k = max(1, int(keep_ratio * num_groups))  # RAGEN: int(rollout_filter_ratio * num_groups)
-        order = torch.sort(std, descending=(kind == "std"), stable=True).indices  # [num_groups]
-        kept = torch.zeros_like(kept)
-        kept[order[:k]] = True
+def filter_groups(values, group_size, value, kind="std", strategy="top_k", include_zero=True, top_p_mode="linear",
+                  eps=0.01):
+    """Rollout filtering: StarPO-S (RAGEN agent_trainer._filter_rollout) and RAGEN-2's strategies (rollout_filter.py).
+    values [B] per trajectory (the scores, or entropy or length) -> (keep [B] bool row mask, stats). Whole groups
+    are kept or dropped, ranked by one statistic s per group: kind "std" / "std_rev" = largest / smallest unbiased
+    in-group std (RAGEN-2's "reward variance"), "mean" / "mean_rev" = largest / smallest in-group mean.
+    `value` (RAGEN-2 rollout_filter_value) means, per strategy:
+      top_k      keep max(1, int(value * num_groups)) groups: v1's rollout_filter_ratio (value 1 keeps all)
+      top_k_abs  keep max(1, int(value)) groups
+      top_p      value >= 1 keeps all. linear: add the ranked s until the sum reaches value * sum(s) - eps,
+                 stopping at the first s <= 0; keep those if it was reached, else none. softmax: keep the
+                 shortest ranked prefix whose softmax(s) (smallest: softmax(-s)) mass reaches value
+      min_p      largest: keep s >= value * max(s); smallest: keep s <= min(s) / value
+    include_zero=False first removes the groups with |s| <= 1e-10 (top_k still counts all groups). Ties go to
+    the lower group index (stable sorts) where RAGEN's topk / sort leave them unspecified. The result may be
+    empty (top_p, min_p, include_zero=False); train.py then skips the step. stats: python floats named as RAGEN
+    logs them under rollout/: in_group_{std,max,mean} over all groups, chosen_in_group_{std,max,mean} over the
+    kept ones (0 when none)."""
+    if values.numel() % group_size:
+        raise ValueError(f"{values.numel()} scores do not split into groups of {group_size}")
+    if kind not in ("std", "std_rev", "mean", "mean_rev"):
+        raise ValueError(f"unknown filter kind {kind!r} (std, std_rev, mean or mean_rev)")
+    x = values.float().view(-1, group_size)  # [num_groups, G]
+    num_groups, largest = x.shape[0], not kind.endswith("_rev")
+    per_group = dict(std=_group_std(x), max=x.max(-1).values, mean=x.mean(-1))  # each [num_groups]
+    s = per_group[kind.removesuffix("_rev")]  # [num_groups] the ranking statistic
+    cand = torch.arange(num_groups, device=x.device)  # [C] candidate groups
+    if not include_zero:
+        cand = cand[s.abs() > 1e-10]
+    order = cand[torch.sort(s[cand], descending=largest, stable=True).indices]  # [C] best first
+    ranked = s[order].tolist()
+    if strategy in ("top_k", "top_k_abs"):
+        k = int(value * num_groups) if strategy == "top_k" else int(value)
+        chosen = order[:max(1, k)]
+    elif strategy == "top_p" and value >= 1:
+        chosen = order
+    elif strategy == "top_p" and top_p_mode == "softmax":
+        mass = torch.softmax(s[order] if largest else -s[order], dim=0).cumsum(0)  # [C]
+        chosen = order[:int((mass < value).sum()) + 1]
+    elif strategy == "top_p" and top_p_mode == "linear":
+        target, total, n = value * sum(ranked) - eps, 0.0, 0
+        for v in ranked:
+            if total >= target or v <= 0:
+                break
+            total, n = total + v, n + 1
+        chosen = order[:n] if total >= target else order[:0]
+    elif strategy == "min_p":
+        if not ranked:
+            chosen = order
+        elif largest:
+            chosen = order[s[order] >= value * max(ranked) - 1e-10]
+        else:
+            chosen = order[s[order] <= min(ranked) / (value + 1e-10) + 1e-10]
+    else:
+        raise ValueError(f"unknown filter strategy {strategy!r} / top_p mode {top_p_mode!r}")
+    kept = torch.zeros(num_groups, dtype=torch.bool, device=x.device)  # [num_groups]
+    kept[chosen] = True
     stats = {f"in_group_{k}": v.mean().item() for k, v in per_group.items()}
-    stats.update({f"chosen_in_group_{k}": v[kept].mean().item() for k, v in per_group.items()})
+    stats.update({f"chosen_in_group_{k}": v[kept].mean().item() if kept.any() else 0.0 for k, v in per_group.items()})
     return kept.repeat_interleave(group_size), stats  # [B]
+
+def std_collapsed(stds, n=10, frac=0.1):
+    """RAGEN-2's reward-variance early stop (agent_trainer.fit): stds, the in-group reward std of every non-empty
+    step so far, in order. True when the last n of the steps after the first n are all below frac x the mean of
+    the first n."""
+    base, later = stds[:n], stds[n:][-n:]
+    return len(later) == n and all(s < frac * sum(base) / n for s in later)
+
+def adjust_rows(n, divisor, mode="copy", generator=None):
+    """Row indices that make n kept rows a multiple of `divisor` (RAGEN-2 agent_trainer.adjust_batch): "copy"
+    appends divisor - n % divisor randomly drawn rows (without replacement when there are enough), "delete"
+    drops n % divisor random rows (which can leave none). Returns [n'] long indices, kept rows in order first."""
+    r, rows = n % divisor, torch.arange(n)
+    if r == 0:
+        return rows
+    if mode == "copy":
+        add = divisor - r
+        extra = torch.randperm(n, generator=generator)[:add] if add <= n else torch.randint(n, (add,), generator=generator)
+        return torch.cat([rows, extra])
+    if mode == "delete":
+        drop = torch.zeros(n, dtype=torch.bool)
+        drop[torch.randperm(n, generator=generator)[:r]] = True
+        return rows[~drop]
+    raise ValueError(f"unknown batch adjust mode {mode!r} (copy or delete)")
 
 # ----------------------------------------------------------------------------- losses
 
@@ -298,3 +383,70 @@ def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, wi
     valid = attention_mask[:, 1:].to(torch.float32)  # [B, T-1]
     pad = lambda x: F.pad((torch.cat(x, dim=1) if x else valid) * valid, (1, 0))  # [B, T], column 0 = 0
     return pad(logps), (pad(ents) if with_entropy else None)
+
+# ----------------------------------------------------------------------------- collapse diagnostics (RAGEN-2)
+
+@torch.no_grad()
+def cross_logliks(model, prompts, responses, temperature=1.0, batch=16, chunk=64):
+    """Teacher-forced L[i, j] = log p(responses[i] | prompts[j]) under an HF causal LM at logits / temperature,
+    as (per-token mean [P, N], per-sequence sum [P, N]) (RAGEN-2 collapse_metrics._compute_cross_log_probs).
+    prompts, responses: lists of token-id lists; responses must be non-empty. Each prompt is prefilled once and
+    its KV cache repeated over `batch` right-padded responses (cut back to the prompt after each batch), so
+    the cost is the N prompts plus P x N response tokens, not P x N full sequences. A padded position comes after
+    every real one, so no real token sees it; its log-prob is dropped."""
+    P, N, dev = len(responses), len(prompts), model.get_output_embeddings().weight.device
+    lens = torch.tensor([len(r) for r in responses])  # [P]
+    if P == 0 or int(lens.min()) < 1:
+        raise ValueError("cross_logliks needs at least one response and no empty ones")
+    batch = min(batch, P)
+    rows = -(-P // batch) * batch  # P rounded up to whole batches (the extra rows are all padding)
+    z = torch.zeros(rows, int(lens.max()), dtype=torch.long)  # [rows, Tz] right-padded with token 0
+    for i, r in enumerate(responses):
+        z[i, :len(r)] = torch.tensor(r)
+    valid = torch.arange(z.shape[1]) < F.pad(lens, (0, rows - P))[:, None]  # [rows, Tz] padding rows: all False
+    lm_head, total = model.get_output_embeddings(), torch.zeros(rows, N)  # total [rows, N]
+    for j, x in enumerate(prompts):
+        pre = model(input_ids=torch.tensor([x], device=dev), use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        cache, h0 = pre.past_key_values, pre.hidden_states[-1][:, -1:]  # h0 [1, 1, H] predicts each response's first token
+        cache.batch_repeat_interleave(batch)
+        for s in range(0, rows, batch):
+            zb = z[s:s + batch].to(dev)  # [batch, Tz]
+            h = model(input_ids=zb, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                      logits_to_keep=1).hidden_states[-1]  # [batch, Tz, H]
+            cache.crop(-zb.shape[1])  # back to the prompt (transformers 5: a negative count removes tokens)
+            h = torch.cat([h0.expand(batch, 1, -1), h[:, :-1]], dim=1)  # [batch, Tz, H] position t predicts z_t
+            lp = torch.cat([_chunk_logprobs(lm_head, h[:, c:c + chunk], zb[:, c:c + chunk], temperature, False)[0]
+                            for c in range(0, h.shape[1], chunk)], dim=1)  # [batch, Tz]
+            total[s:s + batch, j] = (lp.float().cpu() * valid[s:s + batch]).sum(1)
+    total = total[:P]  # [P, N]
+    return total / lens[:, None], total
+
+def collapse_stats(L, L_sum, own, cls=None, eps=1e-3):
+    """RAGEN-2 collapse diagnostics (ragen/trainer/collapse_metrics.py, docs/reference_mutual_information_metrics.md)
+    from cross log-likelihoods L[i, j] = log p(z_i | x_j): L [P, N] per-token mean, L_sum [P, N] per-sequence sum;
+    own [P] the column of z_i's own prompt; cls [N] one id per column, equal for identical prompts (default: all
+    different). matched_i = L[i, own_i]; marginal_i = logsumexp_j L[i, j] - log N (the uniform prompt mixture).
+    mi = mean(matched - marginal) <= log N; cond_entropy H(Z|X) = -mean(matched); entropy H(Z) = -mean(marginal);
+    mi_zscore = mean((matched - marginal) / (population std of marginal + eps)); *_seq: the same from L_sum.
+    retrieval_acc: the top column of row i is own_i or identical to it; @k: any of the top min(k, N); chance: mean
+    over rows of (#columns identical to own_i) / N, chance@k = min(1, min(k, N) x chance). Python floats."""
+    P, N = L.shape
+    own = torch.as_tensor(own, dtype=torch.long)  # [P]
+    cls = torch.arange(N) if cls is None else torch.as_tensor(cls, dtype=torch.long)  # [N]
+    out = dict(pairs=P, prompts=N, mi_upper_bound=math.log(N))
+    for sfx, M in (("", L), ("_seq", L_sum)):
+        M = M.double()
+        matched = M[torch.arange(P), own]  # [P]
+        marginal = torch.logsumexp(M, dim=1) - math.log(N)  # [P]
+        std = marginal.std(unbiased=False)  # 0-d
+        out.update({f"mi{sfx}": (matched - marginal).mean().item(), f"cond_entropy{sfx}": -matched.mean().item(),
+                    f"entropy{sfx}": -marginal.mean().item(), f"marginal_std{sfx}": std.item(),
+                    f"mi_zscore{sfx}": ((matched - marginal) / (std + eps)).mean().item()})
+    same = cls[None, :] == cls[own][:, None]  # [P, N] column j is z_i's prompt or identical to it
+    hit = same.gather(1, L.topk(min(8, N), dim=1).indices)  # [P, min(8, N)] in order of likelihood
+    chance = same.double().mean(1).mean().item()
+    out.update(retrieval_acc=hit[:, 0].double().mean().item(), retrieval_chance=chance)
+    for k in (2, 4, 8):
+        out[f"retrieval_acc@{k}"] = hit[:, :k].any(1).double().mean().item()
+        out[f"retrieval_chance@{k}"] = min(1.0, min(k, N) * chance)
+    return out
