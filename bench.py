@@ -120,28 +120,31 @@ def time_envs(n_seeds):
     import random
     import statistics
     import env_bandit
+    import env_countdown
     import env_frozenlake
     import env_sokoban
     import env_webshop
     for cls, presets in ((env_bandit.BanditEnv, env_bandit.PRESETS), (env_sokoban.SokobanEnv, env_sokoban.PRESETS),
-                         (env_frozenlake.FrozenLakeEnv, env_frozenlake.PRESETS), (env_webshop.WebShopEnv, env_webshop.PRESETS)):
+                         (env_frozenlake.FrozenLakeEnv, env_frozenlake.PRESETS), (env_webshop.WebShopEnv, env_webshop.PRESETS),
+                         (env_countdown.CountdownEnv, env_countdown.PRESETS)):
         for name, preset in presets.items():
             env, resets, steps = cls(**preset["kwargs"]), [], []
             for seed in range(n_seeds):
                 t = time.perf_counter()
                 env.reset(seed)
                 resets.append(time.perf_counter() - t)
-                action = random.Random(seed).choice(env.actions())
+                rng = random.Random(seed)  # Countdown takes free text: the random policy's expression
+                action = rng.choice(env.actions()) if env.actions() else env_countdown.random_answer(env.nums, rng)
                 t = time.perf_counter()
                 env.step(action)
                 steps.append(time.perf_counter() - t)
-            print(f"env          {name:16s} median reset {statistics.median(resets) * 1e3:7.3f} ms   "
+            print(f"env          {name:18s} median reset {statistics.median(resets) * 1e3:7.3f} ms   "
                   f"median step {statistics.median(steps) * 1e3:7.3f} ms   ({n_seeds} seeds)")
 
 
-def qwen25_05b_random(device, dtype):
+def qwen25_05b_random(device, dtype, layers=24):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                       rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
     with torch.device(device):
@@ -149,11 +152,128 @@ def qwen25_05b_random(device, dtype):
     return model.eval()
 
 
+# ------------------------------------------------------------------------------------------------ memory plan
+# Peak memory per rank of `train.py`, part by part, from the model config and the flags. The parts are the ones
+# train.py allocates: fp32 master weights, grads and AdamW states (sharded 1/W by FSDP2), the critic's trunk,
+# the reference model, the rollout copy (unsharded, bf16 on GPU), the sampler's static KV pool, and the update's
+# transients: what autograd holds for backward in one micro-batch, autocast's bf16 weight copies, and one
+# token_logprobs chunk of logits. Activation bytes per token per layer are counted from what autograd saves in a
+# Llama / Qwen2 layer (checked against saved_tensors_hooks on the CPU by test_memory_plan_*; fp32 and bf16):
+#   fp32:          4 * (6d + 4I + 2HD + 2KvD + H + 2)          (norms 3d+1 each, q k v out, lse, MLP 4I)
+#   bf16 autocast: 26d + 8 + 4HD + 4KvD + 4H + 8I              (fp32 norms + a bf16 cast per Linear input)
+#   checkpointed:  4d per layer (the fp32 layer input) + one layer's full set while it is recomputed
+#   outside layers: 12d + 8 (token ids, final norm, the log-prob chunks' inputs)
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+                  rms_norm_eps=1e-6)
+
+
+def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True, ckpt=False, chunk=256):
+    """Expected bytes per rank by part. cfg: an HF config; rows: trajectories rolled out per step (all ranks);
+    micro: rows per forward/backward; seq: the longest conversation (--max-context)."""
+    d, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or d // H
+    layer = d * (H * D + 2 * KV * D) + 2 * KV * D + H * D + H * D * d + 3 * d * I + 2 * d  # q k v (+biases) o, MLP, norms
+    embed = V * d
+    P = L * layer + embed * (1 if cfg.tie_word_embeddings else 2) + d
+    trunk = P - (0 if cfg.tie_word_embeddings else embed) + d + 1                           # critic: no lm_head, + value head
+    rb = 2 if bf16 else 4
+    per_tok = (26 * d + 8 + 4 * H * D + 4 * KV * D + 4 * H + 8 * I) if bf16 else 4 * (6 * d + 4 * I + 2 * H * D + 2 * KV * D + H + 2)
+    tokens = micro * seq
+    acts = (L * 4 * d if ckpt else L * per_tok) * tokens + (12 * d + 8) * tokens  # + ids, final norm, chunk inputs
+    slots = (seq + 1) // 128 * 128 + 128                        # rollout.static_capacity(max_context + 1)
+    part = dict(
+        weights=4 * P / world, grads=4 * P / world, adamw=8 * P / world,
+        critic=16 * trunk / world if critic else 0, reference=4 * P / world if ref else 0,
+        rollout_copy=rb * P if (world > 1 or bf16) else 0,
+        kv_pool=L * 2 * (rows // world) * KV * slots * D * rb,
+        activations=acts,                                       # held from forward to backward
+        recompute=(per_tok * tokens + (2 * layer if bf16 else 0)) if ckpt else 0,  # ckpt: one layer rebuilt in backward
+        # autocast's bf16 copies held to backward (checkpointed layers recast theirs); FSDP2: bf16 root + 2 blocks
+        weight_casts=0 if not bf16 else 2 * (embed + 2 * layer) if world > 1 else 2 * embed if ckpt else 2 * P,
+        logprob_chunk=4 * micro * min(chunk, seq) * V * 4,      # logits, log_softmax, probs, p*logp of one chunk, fp32
+    )
+    part["total"] = sum(part.values())
+    return part
+
+
+def print_plan(name, cfg, gpu_gb, **kw):
+    part = plan_memory(cfg, **kw)
+    gb = {k: v / 2**30 for k, v in part.items()}
+    fits = "fits" if gb["total"] <= gpu_gb * 0.92 else "does NOT fit"   # ~8% for the CUDA context and fragmentation
+    print(f"{name:34s} " + "  ".join(f"{k} {v:5.2f}" for k, v in gb.items() if k != "total") +
+          f"  | total {gb['total']:6.2f} GB of {gpu_gb} -> {fits}")
+    return part
+
+
+# ------------------------------------------------------------------------------------------------ paper-shape dry run
+def save_qwen25_shape(path, layers=24):
+    """A random model with Qwen2.5-0.5B-Instruct's exact shape (layers may be cut) and a byte-level Qwen2Tokenizer
+    whose vocabulary is padded to 151,936 entries with 2- and 3-byte strings (encode never makes them, decode
+    reads them as bytes), saved as a hub-like directory: train.py loads it like a real snapshot."""
+    import itertools
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for n in (2, 3):
+        for t in itertools.product(alphabet, repeat=n):
+            if len(vocab) >= QWEN25_05B["vocab_size"] - 3:  # + <|im_end|>, <|endoftext|>, <|im_start|>
+                break
+            vocab["".join(t)] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = rollout.CHATML
+    cfg = Qwen2Config(**dict(QWEN25_05B, num_hidden_layers=layers), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert len(tok) == cfg.vocab_size, len(tok)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def dry_run(layers, sampler, out):
+    """One full StarPO-S step of train.py (rollout on the sampler path asked for, filter, old log-probs, values,
+    PPO update, checkpoint + HF export) on the Qwen2.5-0.5B shape at a small batch; prints time and peak RSS."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    import tempfile
+    d = tempfile.mkdtemp()
+    save_qwen25_shape(d, layers)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--model", d,
+           "--env", "sokoban", "--algo", "ppo", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "0.5",
+           "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "16", "--max-turns", "2",
+           "--val-every", "0", "--collapse-every", "0", "--steps", "1", "--sampler", sampler, "--out", out]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode:  # -9: killed, most likely by the kernel's OOM killer (the plan says how much is needed)
+        raise SystemExit(f"train.py exited with {r.returncode} after {wall:.0f} s\n" + r.stdout[-2000:] + r.stderr[-3000:])
+    import json
+    m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    print(f"dry run      Qwen2.5-0.5B shape, {layers} layers, sampler {sampler}: one step in {wall:.0f} s wall "
+          f"(step {m['timing_s/step']:.0f} s: " + ", ".join(f"{k[9:]} {v:.1f}" for k, v in m.items()
+                                                                if k.startswith("timing_s/") and k != "timing_s/step") +
+          f"), peak RSS {rss:.1f} GB, saved activations {m['perf/actor_saved_activations_mb']:.0f} MB per micro-batch")
+    return m
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "decode", "envs"], help="which measurement")
+    parser.add_argument("--plan", action="store_true", help="print the memory plan of the paper's config on 24 GB, 1 and 8 H100s")
+    parser.add_argument("--dry-run", type=int, default=0, metavar="LAYERS", help="one train.py step on the Qwen2.5-0.5B "
+                        "shape cut to LAYERS layers (24 = the real depth)")
+    parser.add_argument("--sampler", default="compiled", help="dry run: train.py --sampler")
     parser.add_argument("--batch", type=int, default=32, help="rows sampled together")
     parser.add_argument("--new-tokens", type=int, default=64, help="sampler bench: tokens per row")
     parser.add_argument("--group-size", type=int, default=8, help="kv bench: rows per group (shared first prompt)")
@@ -164,6 +284,18 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--env-seeds", type=int, default=1000, help="envs bench: seeds per preset")
     args = parser.parse_args()
+    if args.plan:  # the paper's StarPO-S PPO config: 8 groups x 16, max_context 3600, micro-batch 4, bf16
+        from transformers import Qwen2Config
+        cfg = Qwen2Config(**QWEN25_05B)
+        for name, gb, kw in [("1 x 24 GB", 24, {}), ("1 x 24 GB, ckpt, micro 1", 24, dict(ckpt=True, micro=1)),
+                             ("1 x 24 GB, grpo, ckpt", 24, dict(ckpt=True, critic=False)),
+                             ("1 x H100 80 GB", 80, {}), ("1 x H100, --grad-checkpointing", 80, dict(ckpt=True)),
+                             ("8 x H100 (per rank)", 80, dict(world=8)), ("8 x H100, --grad-checkpointing", 80, dict(world=8, ckpt=True))]:
+            print_plan(name, cfg, gb, **kw)
+        raise SystemExit
+    if args.dry_run:
+        dry_run(args.dry_run, args.sampler, "runs/dry-run")
+        raise SystemExit
     if args.only in ("all", "envs"):
         time_envs(args.env_seeds)
     if args.only == "envs":
@@ -175,7 +307,9 @@ if __name__ == "__main__":
     if args.model == "qwen2.5-0.5b-random":
         model, tok = qwen25_05b_random(args.device, dtype), None
     else:
+        t = time.time()
         model, tok = rollout.load_model(args.model, device=args.device, dtype=dtype)
+        print(f"load_model({args.model!r}): {time.time() - t:.2f} s")  # 'tiny' was once asserted < 1 s in a test
     if tok is not None and args.only in ("all", "sampler"):
         time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0)
     if tok is not None and args.only in ("all", "kv"):

@@ -5,6 +5,7 @@ Evaluate a model or a trained checkpoint on fixed validation seeds, and plot a r
     python eval.py --model runs/Bandit-ppo-xyz --env Bandit BanditTest   # a run dir: loads <run>/hf, takes its flags
     python eval.py --model runs/Bandit-ppo-xyz --samples 8 --greedy     # pass@1..8 with 8 samples per seed
     python eval.py --plot runs/Bandit-ppo-xyz                            # -> runs/Bandit-ppo-xyz/curves.png
+    python eval.py --plot runs/A runs/B --out ab.png                    # two runs overlaid, with a legend
 
 RAGEN's validation protocol (RAGEN_SPEC §4.5): seeds 123, 124, ... one group of one env per seed, sampling
 at temperature 0.5, the training budgets of turns and actions. With --samples k every seed becomes a group of
@@ -21,6 +22,7 @@ import time
 import torch
 
 import env_bandit
+import env_countdown
 import env_frozenlake
 import env_sokoban
 import env_webshop
@@ -29,10 +31,12 @@ from rollout import load_model, rollout
 # every preset of every env file, plus short names (the same lookup as train.py, duplicated on purpose)
 ENV_CLASSES = {}
 for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, env_sokoban),
-                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop)]:
+                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop),
+                   (env_countdown.CountdownEnv, env_countdown)]:
     for _name, _preset in _mod.PRESETS.items():
         ENV_CLASSES[_name] = (_cls, _preset)
-SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop"}
+SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop",
+               "countdown": "Countdown"}
 # flags a run directory's args.json provides as defaults (its validation settings become ours)
 FROM_RUN = dict({k: k for k in ("no_think", "max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens",
                                  "max_context", "format_penalty", "val_seed")}, temperature="val_temperature", env="val_env")
@@ -199,21 +203,17 @@ PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
           ("grad norm", ["actor/grad_norm", "critic/grad_norm"]),
           ("tokens per episode", ["train/*/response_tokens", "train/*/think_tokens"]),
           ("kept fraction", ["rollout/kept_fraction"]),
-          ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"])]
+          ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"]),
+          ("prompt-response MI (RAGEN-2), nats", ["collapse/*/mi"]),
+          ("prompt retrieval from the response", ["collapse/*/retrieval_acc", "collapse/*/retrieval_chance"])]
 
 
-def plot_run(run_dir):
-    """Draw the training curves of <run_dir>/metrics.jsonl into <run_dir>/curves.png; returns its path."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        die("--plot needs matplotlib: pip install matplotlib")
+def read_metrics(run_dir):
+    """{key: ([steps], [values])} of <run_dir>/metrics.jsonl; validation and collapse keys appear on their steps only."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         die(f"no metrics.jsonl in {run_dir}")
-    series = {}  # key -> ([steps], [values]); validation keys appear only on validation steps
+    series = {}
     for line in open(path):
         try:
             m = json.loads(line)
@@ -230,19 +230,36 @@ def plot_run(run_dir):
             series[prefix + "format_ok_rate"] = (steps, [1 - e / max(t, 1e-9) for e, t in zip(errors, turns[1])])
     if not any(fnmatch.fnmatch(k, p) for k in series for _, ps in PANELS for p in ps):
         die(f"{path} holds none of the metrics to plot")
-    fig, axes = plt.subplots(2, 4, figsize=(18, 6.8))  # one panel per PANELS entry
+    return series
+
+
+def plot_run(*run_dirs, out=None):
+    """Draw the training curves of one or more runs into one figure, one colour per run when there are several
+    (line style = metric), and return its path: `out`, default <run>/curves.png, or <first run>/compare.png."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        die("--plot needs matplotlib: pip install matplotlib")
+    runs = [(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in run_dirs]
+    fig, axes = plt.subplots(2, 5, figsize=(22, 6.8))  # one panel per PANELS entry
     for ax, (title, patterns) in zip(axes.flat, PANELS):
-        for k in sorted(k for k in series if any(fnmatch.fnmatch(k, p) for p in patterns)):
-            steps, values = series[k]
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=k)
+        for r, (name, series) in enumerate(runs):
+            keys = sorted(k for k in series if any(fnmatch.fnmatch(k, p) for p in patterns))
+            for i, k in enumerate(keys):
+                steps, values = series[k]
+                style = {} if len(runs) == 1 else dict(color=f"C{r}", linestyle=["-", "--", ":", "-."][i % 4])
+                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
+                        label=k if len(runs) == 1 else f"{name}: {k}", **style)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.get_major_locator().set_params(integer=True)
         if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+            ax.legend(fontsize=7 if len(runs) == 1 else 6)
+    fig.suptitle(" vs ".join(name for name, _ in runs))
     fig.tight_layout()
-    out = os.path.join(run_dir, "curves.png")
+    out = out or os.path.join(run_dirs[0], "curves.png" if len(runs) == 1 else "compare.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
@@ -250,7 +267,8 @@ def plot_run(run_dir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plot", default=None, metavar="RUN_DIR", help="draw the run's training curves into RUN_DIR/curves.png")
+    p.add_argument("--plot", nargs="+", default=None, metavar="RUN_DIR", help="draw a run's curves into RUN_DIR/curves.png; "
+                   "several runs: overlaid, into <first>/compare.png (or --out FILE.png)")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
@@ -272,10 +290,10 @@ def main(argv=None):
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")
     p.add_argument("--batch-size", type=int, default=128, help="episodes per rollout call (memory only)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>)")
+    p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>); with --plot: the PNG")
     args = p.parse_args(argv)
     if args.plot:
-        print(plot_run(args.plot))
+        print(plot_run(*args.plot, out=args.out))
     elif args.model is None:
         die("give --model (or --plot RUN_DIR)")
     else:

@@ -12,7 +12,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -37,15 +36,15 @@ ENV_PRESETS = [(cls, name) for cls, presets in ALL_PRESETS for name in presets]
 
 def test_presets_follow_the_interface():
     assert set(BANDIT_PRESETS) == {"Bandit", "BanditTest", "BanditGen", "BanditGenTest", "BanditRev", "BanditRevTest"}
-    assert set(SOKOBAN_PRESETS) == {"SimpleSokoban", "LargerSokoban", "SokobanNewVocab"}
-    assert set(FROZENLAKE_PRESETS) == {"FrozenLake"}
+    assert set(SOKOBAN_PRESETS) == {"SimpleSokoban", "LargerSokoban", "SokobanNewVocab", "CoordSokoban"}
+    assert set(FROZENLAKE_PRESETS) == {"FrozenLake", "CoordFrozenLake", "CoordFrozenLakeDet"}
     for cls, name in ENV_PRESETS:
         preset = (BANDIT_PRESETS | SOKOBAN_PRESETS | FROZENLAKE_PRESETS)[name]
         assert {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"} <= set(preset)
         assert set(preset) <= {"kwargs", "instruction", "max_actions_per_traj", "max_tokens", "max_turns", "max_actions_per_turn"}
         env = cls(**preset["kwargs"])
         assert isinstance(env.reset(0), str) and env.render() == env.reset(0)
-        assert preset["max_tokens"] == 100
+        assert preset["max_tokens"] == (120 if name.startswith("Coord") else 100)  # RAGEN-2 gives Coord tags 120
     assert all(p["instruction"] == "" and p["max_actions_per_traj"] == 1 for p in BANDIT_PRESETS.values())
 
 
@@ -214,7 +213,7 @@ def test_sokoban_generated_rooms_are_solvable(name):
     glyphs = env.glyphs
     lengths = []
     for seed in range(500):
-        room = env.reset(seed)
+        room = env.reset(seed).split("Grid Map: \n")[-1]  # CoordSokoban: the grid after the coordinates
         assert set(room) <= set(glyphs + "\n") and len(room.split("\n")) == env.dim_room[0]
         assert room.count(glyphs[4]) == env.num_boxes and room.count(glyphs[2]) + room.count(glyphs[6]) == env.num_boxes
         path = solve(room, glyphs)
@@ -779,15 +778,16 @@ def test_masked_helpers():
 
 def test_grpo_advantages():
     s = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 0.3, -0.1, 0.7, 0.2])
-    a = starpo.grpo_advantages(s, 4)
+    a = starpo.group_advantages(s, torch.arange(12) // 4)
     assert close(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6))  # mean .25, std .5
     assert torch.equal(a[4:8], torch.zeros(4))  # constant group: exactly 0, not NaN
     assert close(a.view(3, 4).mean(1), torch.zeros(3))
     assert close(a[8:].std(), 1.0, 1e-4)
-    assert close(starpo.grpo_advantages(s, 4, norm_std=False)[:4], [0.75, -0.25, -0.25, -0.25])
-    assert torch.equal(starpo.grpo_advantages(s, 1), s)  # groups of one: veRL keeps the score
+    assert close(starpo.group_advantages(s, torch.arange(12) // 4, "drgrpo")[:4], [0.75, -0.25, -0.25, -0.25])
+    # groups of one: veRL's mean 0 and std 1 (RAGEN-2 keeps it), so s / (1 + 1e-6)
+    assert torch.equal(starpo.group_advantages(s, torch.arange(12)), s / (1 + 1e-6))
     with pytest.raises(ValueError):
-        starpo.grpo_advantages(s, 5)
+        starpo.group_advantages(s, torch.arange(12), "remax")
 
 
 def slow_normalize(scores, ids, method):
@@ -1119,14 +1119,13 @@ def teacher_forced_logp(model, tokens, attention_mask, temperature=1.0):
     return torch.cat([torch.zeros(len(tokens), 1), logp], 1)
 
 
-def test_tiny_models_build_fast_deterministic_and_leave_rng_alone():
+def test_tiny_models_build_deterministic_and_leave_rng_alone():  # load time: bench.py --model tiny (no wall time here)
     for name, cls in (("tiny", "LlamaForCausalLM"), ("tiny-qwen2", "Qwen2ForCausalLM")):
         torch.manual_seed(123)
         before = torch.rand(1)
         torch.manual_seed(123)
-        t = time.time()
         m1, tok = rollout.load_model(name)
-        assert time.time() - t < 1.0 and type(m1).__name__ == cls and len(tok) == m1.config.vocab_size == 259
+        assert type(m1).__name__ == cls and len(tok) == m1.config.vocab_size == 259
         assert torch.rand(1) == before  # building the model did not consume the global RNG
         m2, _ = rollout.load_model(name)
         assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
@@ -1381,6 +1380,166 @@ def test_rollout_rejects_bad_groups(tiny):
         rollout.rollout(model, tok, envs[:3], [0, 0, 0], CORRIDOR, group_size=2)
 
 
+# ------------------------------------------------------------------ the GPU path, run on the CPU (issue 10)
+class LongThenDoneEnv(CorridorEnv):
+    """Corridor whose state text is `width` long and which ends after its first step (idle row afterwards)."""
+    def __init__(self, width, ends):
+        self.width, self.ends = width, ends
+
+    def render(self):
+        return "_" * self.width
+
+    def step(self, action):
+        return self.render(), 0.0, self.ends, dict(action_is_valid=True, action_is_effective=True, success=False)
+
+
+def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
+    # defect 3: an idle row (finished episode) near max_context used to size the static cache and assert
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Right"], True))
+    outs = []
+    for static in (False, True):
+        monkeypatch.setattr(rollout, "STATIC", static)
+        envs = [LongThenDoneEnv(580, ends=True), LongThenDoneEnv(5, ends=False)]  # row 0: 847-token prompt
+        outs.append(rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=3, max_new_tokens=40,
+                                    max_context=900, greedy=True, think=False))
+    a, b = outs
+    assert a["stats"]["num_turns"].tolist() == [1, 3] and a["stats"]["response_tokens"][0] == 40  # row 0 idles at 886
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
+
+
+def test_one_static_pool_reused_and_replaced_never_duplicated(monkeypatch, tiny):
+    # defect 8: one pool, sized for the largest batch; smaller batches run in it, bigger ones replace it
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "STATIC", True)
+    monkeypatch.setattr(rollout, "_POOL", {})
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three", "four"]]
+    big = rollout.generate(model, prompts, 8, greedy=True)
+    k0 = rollout._POOL["kv"][0][0]
+    small = rollout.generate(model, prompts[1:3], 8, greedy=True)          # fits: same tensors, idle extra rows
+    assert rollout._POOL["kv"][0][0] is k0 and small[0] == big[0][1:3]
+    rollout.generate(model, prompts * 2, 8, greedy=True)                   # 8 rows: replaces the pool
+    assert len(rollout._POOL) == 1 and rollout._POOL["kv"][0][0].shape[0] == 8
+    eager = (monkeypatch.setattr(rollout, "STATIC", False), rollout.generate(model, prompts, 8, greedy=True))[1]
+    assert eager[0] == big[0]
+
+
+def test_folded_gqa_attention_equals_hf_at_qwen_head_ratio():
+    # defect 2: 14 query heads on 2 KV heads (Qwen2.5-0.5B's ratio) folded into the query-length axis
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=112, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 47))]
+    ours, lps = rollout.generate(model, prompts, 10, greedy=True)
+    assert ours == rollout.reference_generate(model, prompts, 10)
+    for p, o, lp in zip(prompts, ours, lps):
+        x = torch.tensor([p + o])
+        assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x))[0, len(p):], torch.tensor(lp), atol=1e-4)
+
+
+def allocations(code):
+    """(shape tuples) of every buffer that inductor's generated code allocates."""
+    import re
+    return [tuple(int(x) for x in s.split(",") if x.strip()) for s in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+
+
+def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_in_place(monkeypatch, tiny):
+    # defects 1, 4, 5: the CUDA path (static pool, compiled decode step with the sampler inside, a host check of
+    # "all done" every 8 tokens) run with inductor on the CPU: the same tokens as the eager path, the KV pool
+    # mutated in place (same storage, no cache-sized buffer anywhere in the generated code)
+    from torch._inductor.utils import run_and_get_code
+    model, tok = tiny
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    run = lambda: rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [5, 5, 6, 6], preset,
+                                  group_size=2, max_turns=2, max_new_tokens=12, max_context=1200, think=False, sample_seed=4)
+    eager = run()
+    assert eager["stats"]["num_turns"].tolist() == [2] * 4
+    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(rollout, "_COMPILED", {})
+    for k, v in dict(STATIC=True, COMPILE="inductor", DONE_CHECK_EVERY=8).items():
+        monkeypatch.setattr(rollout, k, v)
+    fast, codes = run_and_get_code(run)
+    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
+    k = rollout._POOL["kv"][0][0]
+    layer_cache = k.numel()
+    assert codes and all(math.prod(s) < layer_cache for c in codes for s in allocations(c))
+    ptrs = [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]]
+    again = run()
+    assert [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]] == ptrs
+    assert torch.equal(again["tokens"], eager["tokens"])
+
+
+def test_memory_plan_matches_what_the_cpu_measures():
+    # bench.plan_memory's parts against the same quantities measured on small Qwen2-shaped models: bytes autograd
+    # holds for backward (fp32 and bf16 autocast, with and without checkpointing), weights / grads / AdamW states
+    # after a real step, and the static KV pool the sampler allocates. Within 15%.
+    import bench
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    for d, I, H, KV, L, V, micro, seq, bf16, ckpt in [(96, 256, 6, 2, 3, 500, 2, 100, False, False),
+                                                      (128, 344, 8, 4, 4, 1000, 3, 80, True, False),
+                                                      (128, 344, 8, 2, 4, 800, 2, 120, False, True),
+                                                      (96, 256, 6, 3, 3, 500, 2, 100, True, True)]:
+        cfg = Qwen2Config(vocab_size=V, hidden_size=d, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
+                          num_key_value_heads=KV, tie_word_embeddings=True)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(cfg).train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        held, seen = [0], set(params)
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                held[0] += t.untyped_storage().nbytes()
+            return t
+        tokens = torch.randint(0, V, (micro, seq))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logp, ent = starpo.token_logprobs(model, tokens, torch.ones_like(tokens, dtype=torch.bool), with_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+        plan = bench.plan_memory(cfg, world=1, rows=4, micro=micro, seq=seq, critic=False, bf16=bf16, ckpt=ckpt)
+        want = plan["activations"] + (plan["weight_casts"] if bf16 else 0)
+        assert held[0] == pytest.approx(want, rel=0.15), (d, bf16, ckpt, held[0], want)
+        opt = torch.optim.AdamW(model.parameters())
+        opt.step()
+        measured = dict(weights=sum(p.numel() * 4 for p in model.parameters()),
+                        grads=sum(p.grad.numel() * 4 for p in model.parameters()),
+                        adamw=sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim()))
+        for k, v in measured.items():
+            assert plan[k] == pytest.approx(v, rel=0.15), k
+
+
+def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny):
+    import bench
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "STATIC", True)
+    monkeypatch.setattr(rollout, "_POOL", {})
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2], preset, group_size=2,
+                    max_turns=1, max_new_tokens=4, max_context=1000)
+    pool = sum(x.numel() * x.element_size() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1])
+    assert bench.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_decode_runs_on_the_memory_efficient_sdpa_kernel():
+    # defect 2 on the hardware: with only the efficient kernel allowed, a fallback to math would raise
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = bench_model_qwen_shape(layers=2).cuda().to(torch.bfloat16)
+    prompts = [list(range(5, 5 + n)) for n in (7, 30, 64)]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        toks, _ = rollout.generate(model, prompts, 16, greedy=True)
+    assert all(len(t) == 16 for t in toks)
+
+
+def bench_model_qwen_shape(layers):
+    import bench
+    return bench.qwen25_05b_random("cpu", torch.float32, layers=layers)
+
+
 # ==================================================================================================
 # Evaluation and plots (eval.py)
 # ==================================================================================================
@@ -1534,10 +1693,17 @@ TINY = ["--model", "tiny", "--num-groups", "2", "--group-size", "2", "--filter-r
         "--log-trajectories-every", "1"]
 
 
+def train_env():
+    """The test's environment minus torch.distributed variables a launcher may have set (a plain run would
+    think it is a rank); --standalone torchrun picks its own free port."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                         "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 def run_train(*flags, torchrun=0, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
+    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -1563,36 +1729,87 @@ def test_two_step_run_each_env_and_algo(tmp_path, env, algo):
     assert os.path.exists(os.path.join(out, "ckpt.pt")) and os.path.exists(os.path.join(out, "args.json"))
 
 
-def test_resume_after_kill_matches_uninterrupted(tmp_path):
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    flags = [*TINY, "--env", "sokoban", "--algo", "ppo", "--save-every", "2"]
-    run_train(*flags, "--steps", "4", "--out", full)
-    run_train(*flags, "--steps", "2", "--out", part)          # the "killed" run: stops after its step-1 checkpoint
-    run_train(*flags, "--steps", "4", "--resume", part)       # continues at step 2
-    a, b = read_metrics(full), read_metrics(part)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2, 3, 4]
-    for x, y in zip(a, b):
-        x, y = comparable(x), comparable(y)
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
-    wa = torch.load(os.path.join(full, "ckpt.pt"), weights_only=False)["actor"]
-    wb = torch.load(os.path.join(part, "ckpt.pt"), weights_only=False)["actor"]
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
-
-
 def test_torchrun_two_ranks_matches_one_process(tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3"]
     run_train(*flags, "--out", one)
     run_train(*flags, "--out", two, torchrun=2)
+    assert_same_as_one_process(one, two)
+
+
+def assert_same_as_one_process(one, two):
+    """The 2-rank tolerance: losses, grad norms and scores to 1e-3 relative, weights to 1e-4."""
     a, b = read_metrics(one), read_metrics(two)
+    assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
         for k in ("train/FrozenLake/score", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm"):
-            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
+            assert (k in x) == (k in y), k
+            if k in x:
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k)
     wa = torch.load(os.path.join(one, "ckpt.pt"), weights_only=False)["actor"]
     wb = torch.load(os.path.join(two, "ckpt.pt"), weights_only=False)["actor"]
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+# ------------------------------------------------------------------ the GPU settings of train.py, on the CPU (issue 10)
+def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
+    # defect 7: losses were averaged over micro-batch partial sums, so --micro-batch-size 1 logged 4x less than 4
+    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
+             "--lr", "1e-3", "--critic-lr", "1e-3"]
+    outs = [str(tmp_path / f"mb{n}") for n in (1, 4)]
+    for out, n in zip(outs, (1, 4)):
+        run_train(*flags, "--micro-batch-size", str(n), "--out", out)
+    a, b = read_metrics(outs[0])[0], read_metrics(outs[1])[0]
+    for k in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm", "critic/grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert a["critic/vf_loss"] > 0
+
+
+def test_grad_checkpointing_runs_and_holds_fewer_activations(tmp_path):
+    # defect 6: models came back from load_model in eval mode, where HF skips checkpointing; the update now runs in
+    # train mode, and the bytes autograd holds for backward (perf/actor_saved_activations_mb) must drop
+    flags = [*TINY, "--env", "sokoban", "--algo", "grpo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
+             "--micro-batch-size", "4", "--max-new-tokens", "24"]
+    held = {}
+    for ckpt in (False, True):
+        out = str(tmp_path / f"ckpt{ckpt}")
+        run_train(*flags, *(["--grad-checkpointing"] if ckpt else []), "--out", out)
+        held[ckpt] = read_metrics(out)[0]["perf/actor_saved_activations_mb"]
+    assert held[True] < 0.6 * held[False], held
+
+
+def test_gpu_settings_run_on_the_cpu_and_match_one_process(tmp_path):
+    # the CUDA configuration on the CPU: bf16 compute (autocast + bf16 rollout copy), the static KV pool with
+    # validation chunked into it, FSDP2 with MixedPrecisionPolicy(bf16 params, fp32 reduce) on 2 ranks; no trajectory
+    # files with --log-trajectories-every 0 (they used to be written by validation anyway)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    flags = [*TINY, "--env", "bandit", "--algo", "grpo", "--steps", "1", "--val-every", "1", "--val-groups", "6",
+             "--collapse-every", "0", "--max-new-tokens", "6", "--dtype", "bf16", "--sampler", "static",
+             "--log-trajectories-every", "0"]
+    run_train(*flags, "--out", one)
+    run_train(*flags, "--out", two, torchrun=2)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1]
+    assert "val-env/BanditTest/score" in a[0] and not [f for f in os.listdir(one) if f.endswith(".jsonl") and f != "metrics.jsonl"]
+    for k in ("train/Bandit/score", "val-env/Bandit/score", "val-env/BanditTest/score"):
+        assert a[0][k] == pytest.approx(b[0][k], abs=1e-6), k   # bf16 sampling: same tokens on 1 and 2 ranks
+    assert a[0]["actor/pg_loss"] == pytest.approx(b[0]["actor/pg_loss"], rel=0.05, abs=1e-3)  # bf16 compute
+
+
+def test_paper_shape_step_at_reduced_depth(tmp_path):
+    # bench.py --dry-run 24 runs one full StarPO-S step on the Qwen2.5-0.5B shape; here the same code path with
+    # 2 of its 24 layers: hidden 896, 14 heads on 2 KV heads, vocab 151,936 tied, loaded from a hub-like directory
+    import bench
+    path = bench.save_qwen25_shape(str(tmp_path / "qwen-shape"), layers=2)
+    out = str(tmp_path / "run")
+    run_train("--model", path, "--env", "sokoban", "--algo", "ppo", "--num-groups", "2", "--group-size", "2",
+              "--filter-ratio", "0.5", "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "8",
+              "--max-turns", "2", "--val-every", "0", "--collapse-every", "0", "--steps", "1", "--sampler", "static",
+              "--log-trajectories-every", "0", "--out", out)
+    m = read_metrics(out)[0]
+    assert m["train/SimpleSokoban/response_tokens"] > 0 and math.isfinite(m["actor/pg_loss"]) and m["critic/vf_loss"] > 0
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).config.vocab_size == 151936
 
 
 def test_injected_nan_is_skipped(tmp_path):
@@ -1636,3 +1853,959 @@ def test_exported_hf_dir_loads_and_generates(tmp_path):
     assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
     sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+
+
+# ==================================================================================================
+# Issue 16: kill train.py at any instant, resume it on any world size (checkpoints, run directory)
+# ==================================================================================================
+# A kill changes what is on disk only at a file-system operation, or half-way through one write. So a run is
+# interrupted just before its N-th operation under --out (an open for writing, rename, remove, mkdir, rmtree),
+# seen by a Python audit hook in this wrapper; train.py runs unchanged. "kill" sends SIGKILL (before an append
+# to metrics.jsonl it first writes half a line, as a kill in the middle of the write would); "fail" raises
+# OSError instead (a full disk). N may be "N:text": the N-th operation whose description contains text.
+INTERRUPT = r'''
+import atexit, os, runpy, signal, sys
+n, _, only = sys.argv[1].partition(":")
+n, how, out, seen = int(n), sys.argv[2], os.path.abspath(sys.argv[3]), [0]
+atexit.register(lambda: print(f"OPERATIONS {seen[0]}", file=sys.stderr, flush=True))
+
+def hook(event, a):
+    if seen[0] < 0 or event not in ("open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree"):
+        return
+    path = os.fspath(a[0]) if isinstance(a[0], (str, os.PathLike)) else None
+    if not isinstance(path, str) or (event == "open" and not set(str(a[1])) & set("wax+")):
+        return
+    what = f"{event} {os.path.relpath(os.path.abspath(path), out)}"
+    if what.split(" ", 1)[1].startswith("..") or only not in what:
+        return
+    seen[0] += 1
+    if seen[0] == n:
+        seen[0] = -1
+        print(f"INTERRUPTED ({how}) before {what}", file=sys.stderr, flush=True)
+        if how == "fail":
+            raise OSError(28, "No space left on device (injected)")
+        if what == "open metrics.jsonl":
+            with open(path, "a") as f:
+                f.write('{"step": 1, "train/Froz')
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+sys.argv = sys.argv[4:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+KILLED = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--lr", "1e-3", "--critic-lr", "1e-3", "--steps", "3", "--save-every", "1"]
+LEFTOVERS = {"hf.tmp", "hf.old", "ckpt.pt.tmp", "metrics.jsonl.tmp", "args.json.tmp"}
+
+
+def interrupted(out, at, how="kill"):
+    """One launch of KILLED into out (resuming it when it has a checkpoint), stopped before operation `at`."""
+    start = ["--resume", out] if os.path.exists(os.path.join(out, "ckpt.pt")) else ["--out", out]
+    return subprocess.run([sys.executable, "-c", INTERRUPT, at, how, out, os.path.join(HERE, "train.py"), *KILLED, *start],
+                          capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """KILLED run to the end in one go (under the wrapper, counting its file operations)."""
+    out = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+    r = interrupted(out, "0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, int(r.stderr.split("OPERATIONS ")[-1].split()[0])
+
+
+def assert_same_run(a, b):
+    """Metrics (timing aside) equal, the checkpoint's weights equal, hf/ holds the checkpoint's actor, no leftovers."""
+    from safetensors.torch import load_file
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for x, y in zip(ma, mb):
+        x, y = comparable(x), comparable(y)
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
+    wa = torch.load(os.path.join(a, "ckpt.pt"), weights_only=False)["actor"]
+    wb = torch.load(os.path.join(b, "ckpt.pt"), weights_only=False)["actor"]
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    hf = load_file(os.path.join(b, "hf", "model.safetensors"))
+    assert hf and all(torch.equal(hf[k], wb[k]) for k in hf)
+    assert not LEFTOVERS & set(os.listdir(b))
+
+
+@pytest.mark.parametrize("damage", ["half a metrics line", "stale hf.old"])
+def test_resume_repairs_what_a_kill_leaves(tmp_path, uninterrupted, damage):
+    """Issue 16's reproductions: a partial last metrics line (was JSONDecodeError) and a stale hf.old (was
+    'Directory not empty' at the next checkpoint, after ckpt.pt had moved on); leftover hf.tmp and ckpt.pt.tmp too."""
+    import shutil
+    ref, _ = uninterrupted
+    out = str(tmp_path / "run")
+    shutil.copytree(ref, out)
+    if damage == "half a metrics line":
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+            f.write('{"step": 3, "train/Froz')
+    else:
+        shutil.copytree(os.path.join(out, "hf"), os.path.join(out, "hf.old"))
+    shutil.copytree(os.path.join(out, "hf"), os.path.join(out, "hf.tmp"))
+    open(os.path.join(out, "ckpt.pt.tmp"), "wb").write(b"PK\x03\x04 half a checkpoint")
+    run_train(*KILLED, "--steps", "4", "--resume", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]  # the old final validation (step 3) replaced by step 3, then val
+    assert [comparable(m) for m in ms[:3]] == [comparable(m) for m in read_metrics(ref)[:3]]
+    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert sd["step"] == 3 and not LEFTOVERS & set(os.listdir(out))
+    from safetensors.torch import load_file
+    assert all(torch.equal(v, sd["actor"][k]) for k, v in load_file(os.path.join(out, "hf", "model.safetensors")).items())
+
+
+def test_kill_at_random_instants_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
+    """Stop a 3-step run (a checkpoint every step) at seeded random file operations, resuming after each
+    stop, then let it finish: metrics, checkpoint and hf/ equal the uninterrupted run's. The first stop is a
+    failed write at the worst moment of the step-1 checkpoint (the step-0 hf/ moved to hf.old, the new one not yet
+    renamed in): a one-line error, and the step-0 checkpoint still resumes. The last stop comes after the last
+    checkpoint, in the final validation, which the resume must redo."""
+    ref, n_ops = uninterrupted
+    out, rng = str(tmp_path / "run"), random.Random(16)
+    # a launch resumed at the last step still does a third of a whole run's operations, so every stop happens
+    plan = [("fail", "2:os.rename hf.tmp")] + [("kill", str(rng.randint(1, n_ops // 3))) for _ in range(2)]
+    plan += [("kill", "1:open val-FrozenLake-step00003")]
+    stops = []
+    for how, at in plan:
+        r = interrupted(out, at, how)
+        assert r.returncode != 0 and "INTERRUPTED" in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+        stops.append(r.stderr.split("INTERRUPTED ")[1].splitlines()[0])
+        if how == "fail":
+            assert "train.py: checkpoint of step 1 failed" in r.stdout and "Traceback" not in r.stdout + r.stderr, r.stderr
+            assert not os.path.exists(os.path.join(out, "hf")) and os.path.isdir(os.path.join(out, "hf.old"))
+    r = interrupted(out, "0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print("\n".join(stops))
+    assert_same_run(ref, out)
+
+
+def test_resume_across_world_sizes(tmp_path, uninterrupted):
+    """A checkpoint written by 2 ranks resumes in 1 process, whose checkpoint resumes on 2 ranks again; the
+    result matches the 1-process run within the 2-rank tolerance (checkpoints hold full state dicts)."""
+    ref, _ = uninterrupted
+    out = str(tmp_path / "run")
+    run_train(*KILLED, "--steps", "1", "--out", out, torchrun=2)
+    run_train(*KILLED, "--steps", "2", "--resume", out)
+    run_train(*KILLED, "--steps", "3", "--resume", out, torchrun=2)
+    assert_same_as_one_process(ref, out)
+
+
+@pytest.mark.parametrize("case", ["parent is a file", "read-only", "holds a checkpoint"])
+def test_out_dir_checked_before_the_model_loads(tmp_path, case):
+    """--model is bad too: the run-directory error must come first, so nothing was loaded."""
+    out = tmp_path / "run"
+    if case == "parent is a file":
+        (tmp_path / "f").write_text("")
+        out, message = tmp_path / "f" / "run", "is not a directory"
+    elif case == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        out.mkdir()
+        out.chmod(0o500)
+        message = "is not writable"
+    else:
+        out.mkdir()
+        (out / "ckpt.pt").write_bytes(b"")
+        message = "holds a checkpoint: continue it with --resume"
+    r = run_train(*TINY, "--steps", "1", "--model", "/nonexistent/model-dir", "--out", str(out), check=False)
+    assert r.returncode == 2 and message in r.stdout and r.stdout.count("\n") <= 2, r.stdout + r.stderr
+    assert "cannot load --model" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+# ==================================================================================================
+# Issue 12: RAGEN-2 collapse diagnostics (starpo.collapse_stats / cross_logliks, rollout.reasoning_span,
+# train.py --collapse-every, eval.py --plot with several runs)
+# ==================================================================================================
+
+def test_collapse_stats_hand_worked_three_prompts():
+    # 4 responses scored under 3 prompts; prompts 0 and 2 are the same text (class ids 0, 1, 0)
+    p = [[.5, .25, .25],  # own prompt 0: top column 0 -> right
+         [.2, .6, .2],    # own 1: top 1 -> right
+         [.4, .2, .3],    # own 2: top 0, which is identical to 2 -> right (wrong if identity is ignored)
+         [.3, .1, .2]]    # own 1: top 0, then 2 (both class 0) -> wrong @1 and @2, right @4 (all 3 columns)
+    own, lens = [0, 1, 2, 1], [2, 1, 3, 4]
+    L = torch.tensor(p).log()
+    L_sum = L * torch.tensor(lens, dtype=torch.float)[:, None]
+    s = starpo.collapse_stats(L, L_sum, own, [0, 1, 0])
+    # matched = .5, .6, .3, .1; mixture = row means 1/3, 1/3, .3, .2; ratios 1.5, 1.8, 1, .5
+    mi = (math.log(1.5) + math.log(1.8) + math.log(1.0) + math.log(0.5)) / 4
+    assert s["mi"] == pytest.approx(mi) and s["mi_upper_bound"] == pytest.approx(math.log(3))
+    assert s["cond_entropy"] == pytest.approx(-(math.log(.5) + math.log(.6) + math.log(.3) + math.log(.1)) / 4)
+    assert s["entropy"] == pytest.approx(-(2 * math.log(1 / 3) + math.log(.3) + math.log(.2)) / 4)
+    assert s["entropy"] - s["cond_entropy"] == pytest.approx(s["mi"])  # I(X; Z) = H(Z) - H(Z|X)
+    sd = statistics.pstdev([math.log(1 / 3), math.log(1 / 3), math.log(.3), math.log(.2)])
+    assert s["marginal_std"] == pytest.approx(sd) and s["mi_zscore"] == pytest.approx(mi / (sd + 1e-3))
+    seq = [l * math.log(row[o]) - math.log(sum(q ** l for q in row) / 3) for row, o, l in zip(p, own, lens)]
+    assert s["mi_seq"] == pytest.approx(sum(seq) / 4)
+    # retrieval: rows 0-2 right, row 3 wrong; chance = mean(2/3, 1/3, 2/3, 1/3) = 1/2
+    assert (s["retrieval_acc"], s["retrieval_acc@2"], s["retrieval_acc@4"], s["retrieval_acc@8"]) == (0.75, 0.75, 1.0, 1.0)
+    assert s["retrieval_chance"] == pytest.approx(0.5) and s["retrieval_chance@2"] == pytest.approx(1.0) == s["retrieval_chance@8"]
+    plain = starpo.collapse_stats(L, L_sum, own)  # all prompts taken as different
+    assert plain["retrieval_acc"] == 0.5 and plain["retrieval_chance"] == pytest.approx(1 / 3)
+    assert plain["retrieval_chance@2"] == pytest.approx(2 / 3) and plain["mi"] == pytest.approx(mi)
+
+
+def test_cross_logliks_equal_teacher_forcing_of_each_concatenation():
+    model, _ = rollout.build_tiny()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 1, 6, 4, 2)]
+    L, L_sum = starpo.cross_logliks(model, prompts, responses, temperature=0.7, batch=2)  # ragged, 3 batches
+    for j, x in enumerate(prompts):
+        for i, z in enumerate(responses):
+            logp = teacher_forced_logp(model, torch.tensor([x + z]), torch.ones(1, len(x + z)), 0.7)[0, len(x):]
+            assert L_sum[i, j].item() == pytest.approx(logp.sum().item(), abs=1e-4)
+            assert L[i, j].item() == pytest.approx(logp.mean().item(), abs=1e-4)
+
+
+def test_mi_is_zero_for_a_prompt_blind_model_and_near_log_n_for_a_copying_one():
+    """The tiny Llama with every attention and MLP output zeroed is a bigram model: the next token depends on
+    the current token only. With a large final-norm gain it copies the current token."""
+    model, tok = rollout.build_tiny()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(60.0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    # prompts that differ but end alike: the model cannot see the difference, so L has equal columns
+    blind = [enc(f"state {c}: <answer>") for c in "ABCD"]
+    responses = [enc(s) for s in ("Left", "Up", "Right || Down", "Down")]
+    L, L_sum = starpo.cross_logliks(model, blind, responses)
+    s = starpo.collapse_stats(L, L_sum, [0, 1, 2, 3])
+    assert abs(s["mi"]) < 1e-5 and abs(s["mi_seq"]) < 1e-4 and s["mi_upper_bound"] == pytest.approx(math.log(4))
+    assert s["cond_entropy"] == pytest.approx(s["entropy"], abs=1e-5)
+    # prompts that end in their state letter: the model answers with that letter, so z names its prompt
+    copy = [enc(f"state: {c}") for c in "ABCDEFGH"]
+    z = [[torch.argmax(model(input_ids=torch.tensor([x])).logits[0, -1]).item()] for x in copy]  # greedy answers
+    assert z == [x[-1:] for x in copy]
+    L, L_sum = starpo.cross_logliks(model, copy, z)
+    s = starpo.collapse_stats(L, L_sum, list(range(8)))
+    assert math.log(8) - 0.05 < s["mi"] <= math.log(8) + 1e-6 and s["retrieval_acc"] == 1.0
+    assert s["retrieval_chance"] == pytest.approx(1 / 8) and s["cond_entropy"] < 0.05
+
+
+def test_reasoning_span_cuts_prompt_and_span():
+    _, tok = rollout.build_tiny()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    x1 = enc("<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n<answer>")
+    obs = enc("\n<|im_start|>user\nReward:\n0.0\nAgain<|im_end|>\n<|im_start|>assistant\n<answer>")
+    for response, think, expected in [("Left</answer><|im_end|>", False, "Left"),
+                                      ("Left || Up</answer>", False, "Left || Up"),  # cut by its budget
+                                      ("Left || Ri<|im_end|>", False, "Left || Ri"),  # never closed: to the end
+                                      ("</answer><|im_end|>", False, ""),
+                                      ("go right</think><answer>Right</answer><|im_end|>", True, "go right")]:
+        r1, r2 = enc("Up</answer><|im_end|>"), enc(response)
+        tokens = x1 + r1 + obs + r2 + enc("\n")
+        mask = [0] * len(x1) + [1] * len(r1) + [0] * len(obs) + [1] * len(r2) + [0]
+        x, z = rollout.reasoning_span(tok, tokens, mask, len(x1) + len(r1) + len(obs) + len(r2) - 1, think)
+        assert x == x1 + r1 + obs and tok.decode(z) == expected  # x: the whole conversation before the turn
+        x, z = rollout.reasoning_span(tok, tokens, mask, len(x1) + len(r1) - 1, False)
+        assert x == x1 and tok.decode(z) == "Up"
+
+
+def test_train_logs_collapse_metrics_and_plot_overlays_runs(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "frozenlake", "--algo", "grpo", "--no-think", "--steps", "2", "--val-every", "0",
+              "--collapse-every", "1", "--out", out)
+    ms = read_metrics(out)
+    for m in ms:  # 2 groups x 2 rows: first_turn has one column per group, any_turn one per pair
+        assert m["collapse/first_turn/prompts"] == 2 and m["collapse/any_turn/prompts"] == m["collapse/any_turn/pairs"]
+        for v in ("first_turn", "any_turn"):
+            assert -1e-6 < m[f"collapse/{v}/mi"] + 1e-3 and m[f"collapse/{v}/mi"] <= m[f"collapse/{v}/mi_upper_bound"] + 1e-6
+            assert 0 <= m[f"collapse/{v}/retrieval_acc"] <= 1 and m[f"collapse/{v}/valid_rate"] > 0
+        assert "timing_s/collapse" in m
+    png = ev.plot_run(out, out, out=str(tmp_path / "ab.png"))  # two runs overlaid
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
+
+
+# ==================================================================================================
+# Issue 14: Countdown offline (env_countdown.py), FrozenLake success_rate, Coord presets (RAGEN-2)
+# ==================================================================================================
+import itertools  # noqa: E402
+from fractions import Fraction  # noqa: E402
+
+import env_countdown as CD  # noqa: E402
+
+NEW_PRESETS = ["Countdown", "CoordSokoban", "CoordFrozenLake", "CoordFrozenLakeDet"]
+
+
+def ragen_has_solution(nums, target):
+    """RAGEN countdown has_solution, as a plain loop: pad to 4 numbers with zeros, try all 16 sign vectors."""
+    padded = nums + [0] * (4 - len(nums))
+    return any(sum(s * n for s, n in zip(signs, padded)) == target for signs in itertools.product([1, -1], repeat=4))
+
+
+def test_countdown_generated_tasks_are_solvable():
+    env = CD.CountdownEnv(**CD.PRESETS["Countdown"]["kwargs"])
+    for seed in [*range(500), *range(10_000, 10_500)]:  # 500 validation and 500 training tasks
+        obs = env.reset(seed)
+        assert obs == f"Target: {env.target}, nums: {env.nums}"
+        assert len(env.nums) in (3, 4) and all(1 <= n <= 99 for n in env.nums) and 1 <= env.target <= 100
+        assert ragen_has_solution(env.nums, env.target)  # RAGEN keeps only these
+        expr = CD.solve(env.nums, env.target)            # brute force over + - * /, exact
+        assert expr is not None
+        assert env.step(expr) == ("Your answer get 1.0 points.", 1.0, True,
+                                  dict(action_is_valid=True, action_is_effective=True, success=True))
+
+
+def test_countdown_reward_hand_picked_answers():
+    nums, target = [44, 19, 35], 98  # the public set's first row
+    cases = [
+        ("44 + 19 + 35", 1.0), ("(44 + 35) + 19", 1.0), (" 35--19+44 ", 1.0), ("((44)) + (19 + (35))", 1.0),
+        ("44 * 19 / 35", 0.1), ("44 - 19 - 35", 0.1),            # right numbers, wrong value
+        ("44 + 19 + 35.", 0.1), ("44 ** 19 + 35", 0.1), ("44 + 19 35", 0.1), ("44 // 19 + 35", 0.1),  # not ours
+        ("44 + 19 + 35 = 98", 0.0), ("44 + 19", 0.0), ("44 + 19 + 36", 0.0), ("44 + 19 + 35 + 0", 0.0), ("", 0.0),
+        ("__import__('os')", 0.0), ("9**9**9", 0.0), ("(" * 10_000 + "44 + 19 + 35" + ")" * 10_000, 0.0),
+        ("1" * 100_000, 0.0), ("x" * 100_000, 0.0), ("44 + 19 + 35" + " " * 100_000, 0.0),  # over-long: not read
+        ("__import__('os').system('rm 44 19 35')", 0.1),  # right numbers, never executed
+        ("(" * 40 + "44 + 19 + 35" + ")" * 40, 0.1), ("(" * 30 + "44 + 19 + 35" + ")" * 30, 1.0),  # depth bound 32
+        ("-" * 40 + "44 + 19 + 35", 0.1),
+    ]
+    for answer, want in cases:
+        assert CD.score(answer, nums, target) == want, answer[:50]
+    assert CD.score("9**9**9", [9, 9, 9], 5) == 0.1  # right numbers: parsed, refused, never computed
+    assert CD.score("5 / (3 - 3)", [3, 3, 5], 5) == 0.1 and CD.score("5 + 3 - 3", [3, 3, 5], 5) == 1.0
+    assert CD.score("(3 / 3 - 1) / (3 - 3)", [3, 3, 1, 3, 3], 0) == 0.1  # 0/0 too
+    assert CD.evaluate("1 / 3 * 3") == 1 and CD.evaluate("7 / 2") == Fraction(7, 2)  # exact, no floats
+
+
+def test_countdown_episode_protocol():
+    env = CD.CountdownEnv()
+    with pytest.raises(RuntimeError):
+        env.step("1")
+    obs = env.reset(123)
+    assert env.render() == obs and env.actions() is None
+    assert env.step(None) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
+    out = env.step("1 + 2")  # any string is the one answer (RAGEN: always valid) and ends the episode
+    assert out[1:] == (0.0, True, dict(action_is_valid=True, action_is_effective=False, success=False))
+    assert out[0] == env.render() == "Your answer get 0.0 points."
+    assert env.step(CD.solve(env.nums, env.target)) == (out[0], 0.0, True,
+                                                        dict(action_is_valid=False, action_is_effective=False, success=False))
+    p = CD.PRESETS["Countdown"]
+    assert p["instruction"].startswith("You are solving the Countdown puzzle. You should use the num list to create")
+    assert p["instruction"].endswith("So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - 3</answer>")
+    assert (p["max_actions_per_traj"], p["max_turns"], p["max_actions_per_turn"], p["max_tokens"]) == (1, 1, 1, 100)
+
+
+def random_tree(rng, depth):
+    """(text, exact value or None on a division by zero) of a random expression, built by the test itself."""
+    if depth == 0 or rng.random() < 0.3:
+        n = rng.randint(0, 120)
+        return (f"-{n}", Fraction(-n)) if rng.random() < 0.1 else (str(n), Fraction(n))
+    (ta, a), (tb, b) = random_tree(rng, depth - 1), random_tree(rng, depth - 1)
+    op = rng.choice("+-*/")
+    value = None if a is None or b is None or (op == "/" and b == 0) else \
+        {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
+    sp = rng.choice(["", " ", "  "])
+    return f"({ta}{sp}{op}{sp}({tb}))", value
+
+
+def test_countdown_evaluator_matches_tree_values():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text, value = random_tree(rng, rng.randint(0, 4))
+        if len(text) <= CD.MAX_ANSWER_CHARS:
+            assert CD.evaluate(text) == value, text
+    # precedence and associativity, hand-worked
+    for text, value in [("2 + 3 * 4", 14), ("2 * 3 + 4", 10), ("10 - 4 - 3", 3), ("48 / 4 / 2", 6), ("-3 * -2", 6),
+                        ("2 - (3 - 4)", 3), ("+-+5", -5), ("(1 + 2) * (3 + 4)", 21), ("6 / 4 * 2", 3)]:
+        assert CD.evaluate(text) == value, text
+    for text in ["", "()", "1 +", "* 2", "(1", "1)", "1 2", "1..2", "1e3", "0x10", "½", "٣ + 1", "1 ^ 2", "abs(1)"]:
+        assert CD.evaluate(text) is None, text
+
+
+def test_countdown_train_and_validation_never_share_a_task():
+    env = CD.CountdownEnv()
+    key = lambda seed: (env.reset(seed), (env.target, tuple(sorted(env.nums))))[1]
+    val = {key(s) for s in range(123, 123 + 1000)}                 # train.py --val-seed 123 and on
+    train = {key(s) for s in range(10_000, 10_000 + 2000)}         # train.py --seed 10000 and on
+    assert len(val) > 950 and len(train) > 1950 and not val & train
+    assert all(CD.is_val_task(t, list(n)) for t, n in val) and not any(CD.is_val_task(t, list(n)) for t, n in train)
+    other = CD.CountdownEnv()
+    for seed in (0, 123, 9_999, 10_000, 2**40):
+        assert other.reset(seed) == env.reset(seed)  # same seed, same task, from a fresh env
+
+
+def test_countdown_garbage_never_raises():
+    env, rng = CD.CountdownEnv(), random.Random(0)
+    garbage = ["", " ", "\n", "\x00", "1 || 2", "<answer>1</answer>", "\ud800", "🐉", "1" * 1_000_000, "(" * 300,
+               ")" * 300, "-" * 300, "1/" * 100 + "0", "((((((1", "9" * 250, "9" * 5000, "1e308 * 1e308"]
+    for _ in range(2000):  # random unicode mixed with digits and operators
+        garbage.append("".join(chr(rng.randrange(0x110000)) if rng.random() < 0.3 else rng.choice("0123456789+-*/() ")
+                               for _ in range(rng.randrange(40))))
+    for i, answer in enumerate(garbage):
+        env.reset(i % 7)
+        obs, reward, done, info = env.step(answer)
+        assert reward in (0.0, 0.1, 1.0) and done is True and info["action_is_valid"] is True
+        assert obs == f"Your answer get {reward} points." and info["success"] == (reward == 1.0)
+    for junk in (None, 3, b"1 + 2", ["1"]):
+        obs = env.reset(0)
+        assert env.step(junk) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
+
+
+def test_countdown_leaf_and_wiring():
+    code = "import sys, env_countdown; bad = {'torch', 'numpy', 'transformers'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+    assert ev.ENV_CLASSES["Countdown"][0] is CD.CountdownEnv and ev.preset_name("countdown") == "Countdown"
+    for name in NEW_PRESETS:
+        assert name in ev.ENV_CLASSES
+    src = open(os.path.join(HERE, "train.py")).read()  # train.py cannot be imported (it runs); check its lookup
+    assert "(env_countdown.CountdownEnv, env_countdown)" in src and '"countdown": "Countdown"' in src
+
+
+def test_coord_renders_hand_worked():
+    env = SokobanEnv(**SOKOBAN_PRESETS["CoordSokoban"]["kwargs"])
+    assert env.reset(10000) == (
+        "Coordinates: \nBoard size: 6 rows x 6 cols (zero-indexed).\n"
+        "Walls: (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 2), (1, 3), (1, 4), (1, 5), (2, 0), (2, 3), "
+        "(2, 4), (2, 5), (3, 0), (3, 3), (3, 4), (3, 5), (4, 0), (4, 4), (4, 5), (5, 0), (5, 1), (5, 2), (5, 3), (5, 4), "
+        "(5, 5)\nTargets: (1, 1)\nBoxes: (3, 1)\nPlayer: (4, 2)\n"
+        "Grid Map: \n######\n#O####\n#__###\n#X_###\n#_P_##\n######")  # the grid is RAGEN's seed-10000 room
+    obs = env.load("######\n#√_S_#\n#_X__#\n######")
+    assert obs.split("\n")[3:7] == ["Targets: (1, 1), (1, 3)", "Boxes: (2, 2)", "Boxes on target: (1, 1)",
+                                    "Player on target: (1, 3)"] and "\nPlayer: " not in obs
+    lake = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"])
+    assert lake.reset(10000) == ("Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (3, 1)\n"
+                                 "Goal: (3, 0)\nPlayer: (3, 1)\nHoles: (2, 3)\nGrid Map: \n____\n____\n___O\nGP__")
+    det = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLakeDet"]["kwargs"])
+    det.reset(10000)
+    assert det.step("Left")[0].split("\n")[4] == "Player on goal: (3, 0)"
+    det.load("_P__\n_O__\n____\n___G")
+    obs = det.step("Down")[0]
+    assert "Player in hole: (1, 1)\nHoles: (1, 1)\n" in obs and "Start" not in obs and obs.endswith("____\n_X__\n____\n___G")
+    for name, presets in (("CoordSokoban", SOKOBAN_PRESETS), ("CoordFrozenLake", FROZENLAKE_PRESETS)):
+        ins = presets[name]["instruction"]
+        assert "zero-indexed coordinates" in ins and "The meaning of each symbol" not in ins  # RAGEN-2: no legend
+        assert ins.endswith('</answer>.\n\nYour available actions are:\n' + ", ".join(presets is SOKOBAN_PRESETS and
+                            ["Up", "Down", "Left", "Right"] or ["Left", "Down", "Right", "Up"])
+                            + '\nYou can make up to 10 actions, separated by the action separator " || "\n')
+        assert (presets[name]["max_turns"], presets[name]["max_actions_per_turn"]) == (5, 2)  # RAGEN-2 base.yaml
+
+
+def test_frozenlake_success_rate():
+    moves = [(0, -1), (1, 0), (0, 1), (-1, 0)]
+    # success_rate 1 on slippery ice = the non-slippery lake, step for step
+    det, plain = FrozenLakeEnv(success_rate=1.0), FrozenLakeEnv(is_slippery=False)
+    for seed in range(300):
+        assert det.reset(seed) == plain.reset(seed)
+        policy = random.Random(seed)
+        for _ in range(10):
+            a = policy.choice(["Left", "Down", "Right", "Up"])
+            assert det.step(a) == plain.step(a)
+    # success_rate s: intended with s, each perpendicular with (1 - s) / 2
+    for s in (0.6, 0.0):
+        env, counts = FrozenLakeEnv(success_rate=s), [0, 0, 0]
+        for seed in range(2500):
+            env.reset(seed)
+            r, c = env.pos
+            inside = [a for a in range(4) if all(0 <= r + moves[b][0] < 4 and 0 <= c + moves[b][1] < 4
+                                                  for b in ((a - 1) % 4, a, (a + 1) % 4))]
+            if not inside:
+                continue
+            a = inside[seed % len(inside)]
+            env.step(["Left", "Down", "Right", "Up"][a])
+            counts[[(r + moves[b][0], c + moves[b][1]) for b in ((a - 1) % 4, a, (a + 1) % 4)].index(env.pos)] += 1
+        n, want = sum(counts), [(1 - s) / 2, s, (1 - s) / 2]
+        assert n > 1200 and all(abs(k / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9 for k, p in zip(counts, want)), counts
+    with pytest.raises(ValueError):
+        FrozenLakeEnv(success_rate=1.5)
+
+
+def test_coord_frozenlake_lakes_are_ragen2s():
+    def ragen2_lake(seed):  # RAGEN-2 frozen_lake/utils.py generate_random_map, as a plain loop
+        rng = np.random.default_rng(seed)
+        while True:
+            board = [list(row) for row in rng.choice(["F", "H"], (4, 4), p=[0.8, 0.2])]
+            (sr, sc), (gr, gc) = rng.integers(4, size=2), rng.integers(4, size=2)
+            if (sr, sc) != (gr, gc):
+                board[sr][sc], board[gr][gc] = "S", "G"
+                if has_path(["".join(r) for r in board], (int(sr), int(sc))):
+                    return ["".join(r) for r in board]
+    coord, plain, differ = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"]), FrozenLakeEnv(), 0
+    for seed in range(600):
+        coord.reset(seed)
+        plain.reset(seed)
+        assert coord.desc == ragen2_lake(seed)
+        differ += coord.desc != plain.desc
+    assert 10 < differ < 80  # RAGEN-2 draws a new board when start == goal, RAGEN new cells: about 1 seed in 15
+
+
+@pytest.mark.parametrize("env", NEW_PRESETS)
+def test_two_step_run_on_new_presets(tmp_path, env):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", env, "--algo", "grpo", "--steps", "2", "--val-every", "0", "--out", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1] and all("actor/pg_loss" in m for m in ms)
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert args["max_actions_per_turn"] == {"Countdown": 1}.get(env, 2)  # from the preset (TINY sets --max-turns)
+
+
+# ==================================================================================================
+# Issue 13: model families (load_model's refusals and self-check, Qwen3's template) and LoRA (train.py)
+# ==================================================================================================
+
+# Qwen/Qwen3-0.6B tokenizer_config.json's chat_template with the tool branches removed
+QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if ns.multi_step_tool and message.role == "user" %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}{%- set content = message.content %}
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+{%- elif message.role == "assistant" %}{%- set reasoning_content = '' %}
+{%- if '</think>' in content %}
+{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_query_index %}
+{%- if loop.last or (not loop.last and reasoning_content) %}
+{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"""
+FAMILIES = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def save_family(path, arch):
+    model, tok = rollout.build_tiny(arch)
+    if arch == "qwen3":
+        tok.chat_template = QWEN3_TEMPLATE
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_each_family_samples_like_hf(tmp_path, arch):
+    model, tok = rollout.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
+    assert type(model).__name__ == FAMILIES[arch]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
+    ours, _ = rollout.generate(model, prompts, 16, greedy=True)
+    ids, mask = padded(prompts, left=True)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                        eos_token_id=None)[:, ids.shape[1]:]
+    assert hf.tolist() == ours
+    toks, lps = rollout.generate(model, prompts, 12, temperature=0.7, seed=3)
+    for p, o, lp in zip(prompts, toks, lps):
+        x = torch.tensor([p + o])
+        assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x), 0.7)[0, len(p):], torch.tensor(lp), atol=1e-4)
+
+
+def test_qwen3_template_what_the_model_sees(tmp_path):
+    model, tok = rollout.load_model(save_family(tmp_path / "q3", "qwen3"))
+    head, gen, close, user_head = rollout.chat_pieces(tok)
+    assert gen == "<|im_end|>\n<|im_start|>assistant\n" and close == "<|im_end|>\n"  # no empty think block
+    answer = "<think>go right</think><answer>Right</answer>"
+    msgs = [{"role": "system", "content": rollout.SYSTEM}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": answer}, {"role": "user", "content": "u2"}]
+    ours = head + "u1" + gen + answer + close + user_head + "u2" + gen
+    # Qwen3's own rendering drops the think block of earlier turns; the token stream keeps what was sampled
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == ours.replace("<think>go right</think>", "")
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(2)]
+    out = rollout.rollout(model, tok, envs, [3, 3], preset, group_size=2, max_turns=2, max_new_tokens=12, sample_seed=0)
+    check_consistent(out, tok, 2)
+
+
+@pytest.mark.parametrize("model_type,kw,message", [
+    ("gemma2", {}, "Gemma2ForCausalLM: the sampler does not implement logit soft-capping"),
+    ("mixtral", {}, "MixtralForCausalLM: the sampler does not implement MoE routing"),
+    ("qwen2", dict(use_sliding_window=True), "Qwen2ForCausalLM: the sampler does not implement sliding-window attention"),
+    ("mistral", dict(sliding_window=4096), "sliding-window attention"),
+    ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope type 'dynamic'"),
+    ("smollm3", {}, "SmolLM3ForCausalLM: the sampler does not implement model type 'smollm3'"),
+])
+def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message):
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=64, **kw)
+    cfg.architectures = [{"gemma2": "Gemma2", "mixtral": "Mixtral", "qwen2": "Qwen2", "mistral": "Mistral",
+                          "llama": "Llama", "smollm3": "SmolLM3"}[model_type] + "ForCausalLM"]
+    cfg.save_pretrained(tmp_path)  # no weights: refused from config.json before any is read
+    with pytest.raises(ValueError, match=message) as e:
+        rollout.load_model(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeypatch):
+    """The bug of issue 13: a sampler without Qwen3's q_norm / k_norm. It must be refused at load time."""
+    real = rollout.forward_cached
+
+    def skipping(model, *a):
+        attns = [layer.self_attn for layer in model.model.layers]
+        saved = [(x.q_norm, x.k_norm) for x in attns]
+        for x in attns:
+            x.q_norm = x.k_norm = torch.nn.Identity()
+        try:
+            return real(model, *a)
+        finally:
+            for x, (q, k) in zip(attns, saved):
+                x.q_norm, x.k_norm = q, k
+
+    path = save_family(tmp_path / "q3", "qwen3")
+    monkeypatch.setattr(rollout, "forward_cached", skipping)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
+        rollout.load_model(path)
+
+
+def test_smollm2_passes_the_self_check():
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "starpo", "smollm2")
+    if not os.path.isdir(cache):
+        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; rollout.load_model('smollm2')\")")
+    model, tok = rollout.load_model("smollm2")  # raises if the sampler's logits differ from HF's
+    assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
+
+
+LORA = [*TINY, "--env", "sokoban", "--algo", "ppo", "--lora-rank", "4", "--kl-coef", "0.01", "--lr", "1e-2",
+        "--critic-lr", "1e-2", "--val-every", "0"]
+
+
+def test_lora_run_resume_two_ranks_and_export(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    full, part, two = str(tmp_path / "full"), str(tmp_path / "part"), str(tmp_path / "two")
+    flags = [*LORA, "--save-every", "1", "--save-adapter"]
+    run_train(*flags, "--steps", "2", "--out", full)
+    run_train(*flags, "--steps", "1", "--out", part)
+    run_train(*flags, "--steps", "2", "--resume", part)
+    run_train(*flags, "--steps", "2", "--out", two, torchrun=2)
+    a, b, c = read_metrics(full), read_metrics(part), read_metrics(two)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [m["step"] for m in c] == [0, 1]
+    for x, y, z in zip(a, b, c):
+        x, y = comparable(x), comparable(y)
+        assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6) for k in x), x
+        for k in ("train/SimpleSokoban/score", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm"):
+            assert x[k] == pytest.approx(z[k], rel=1e-3, abs=1e-5), k
+    # the rollout copy samples with the merged adapter (sampler log-probs == the peft actor's, on 1 and 2 ranks)
+    # while the policy moved away from the reference (the base: the actor with its adapter off)
+    assert all(m["rollout/sampler_logp_abs_diff"] < 1e-5 for m in a + c) and abs(a[1]["actor/kl_loss"]) > 1e-4
+    ck = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (full, part, two)]
+    assert all(".lora_" in k for k in ck[0]["actor"])  # the checkpoint holds adapters (+ the critic head), no base
+    assert {k for k in ck[0]["critic"] if ".lora_" not in k} == {"head.weight", "head.bias"}
+    for other, tol in ((ck[1], 1e-6), (ck[2], 1e-4)):
+        assert ck[0]["actor"].keys() == other["actor"].keys()
+        assert max((ck[0]["actor"][k] - other["actor"][k]).abs().max().item() for k in ck[0]["actor"]) < tol
+    # the export: merged weights that from_pretrained loads, equal to base + adapter through peft's own forward
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(full, "hf"))
+    adapted = PeftModel.from_pretrained(rollout.build_tiny("llama")[0], os.path.join(full, "hf", "adapter"))
+    x = torch.tensor([[5, 80, 81, 82, 83, 9]])
+    with torch.no_grad():
+        lm, la, lb = merged(x).logits, adapted(x).logits, rollout.build_tiny("llama")[0](x).logits
+    assert torch.allclose(lm, la, atol=1e-5) and (lm - lb).abs().max() > 1e-3
+
+
+# ==================================================================================================
+# Issue 11: RAGEN-2's filter strategies, estimators, batch adjust, context windows, env mixing, early stops
+# ==================================================================================================
+
+def slow_select(values, G, value, kind, strategy, include_zero=True, mode="linear", eps=0.01):
+    """RAGEN-2 rollout_filter._select_top_groups in plain Python (ties: lower group index): kept group indices."""
+    groups = [values[i:i + G] for i in range(0, len(values), G)]
+    s = [(statistics.stdev(g) if len(g) > 1 else 0.0) if kind.startswith("std") else sum(g) / len(g) for g in groups]
+    largest = not kind.endswith("_rev")
+    cand = [i for i in range(len(s)) if include_zero or abs(s[i]) > 1e-10]
+    order = sorted(cand, key=lambda i: (-s[i] if largest else s[i], i))
+    if strategy in ("top_k", "top_k_abs"):
+        return set(order[:max(1, int(value * len(s)) if strategy == "top_k" else int(value))])
+    if strategy == "top_p" and value >= 1:
+        return set(order)
+    if strategy == "top_p" and mode == "softmax":
+        z = [math.exp(s[i] if largest else -s[i]) for i in order]
+        for j in range(len(order)):
+            if sum(z[:j + 1]) / sum(z) >= value:
+                return set(order[:j + 1])
+        return set(order)
+    if strategy == "top_p":
+        target, total, n = value * sum(s[i] for i in cand) - eps, 0.0, 0
+        for i in order:
+            if total >= target or s[i] <= 0:
+                break
+            total, n = total + s[i], n + 1
+        return set(order[:n]) if total >= target else set()
+    if not cand:
+        return set()
+    if largest:
+        return {i for i in cand if s[i] >= value * max(s[j] for j in cand) - 1e-10}
+    return {i for i in cand if s[i] <= min(s[j] for j in cand) / (value + 1e-10) + 1e-10}
+
+
+def kept_groups(values, G, *a, **kw):
+    keep, st = starpo.filter_groups(torch.tensor(values), G, *a, **kw)
+    return set(keep.view(-1, G)[:, 0].nonzero().squeeze(1).tolist()), st
+
+
+def test_filter_strategies_hand_worked():
+    stat = [3.0, 1.0, 0.0, 2.0]  # groups of one, ranked by their mean: the statistic is the value itself
+    assert kept_groups(stat, 1, 0.5, "mean", "top_p")[0] == {0}        # target 0.5*6-0.01: 3 reaches it
+    assert kept_groups(stat, 1, 0.9, "mean", "top_p")[0] == {0, 3, 1}  # target 5.39: 3+2+1
+    assert kept_groups([0.0] * 4, 1, 0.9, "mean", "top_p")[0] == set()  # all zero: target -0.01 is met by nothing
+    assert kept_groups([-1.0, 2.0], 1, 0.5, "mean_rev", "top_p")[0] == set()  # smallest first is <= 0: stop, unmet
+    assert kept_groups(stat, 1, 1.0, "mean", "top_p")[0] == {0, 1, 2, 3}
+    # softmax: e^2 / (e^2 + 2) = 0.787 reaches 0.5 alone; 0.9 needs all three (0.787 + 0.106 = 0.894 < 0.9)
+    assert kept_groups([2.0, 0.0, 0.0], 1, 0.5, "mean", "top_p", top_p_mode="softmax")[0] == {0}
+    assert kept_groups([2.0, 0.0, 0.0], 1, 0.9, "mean", "top_p", top_p_mode="softmax")[0] == {0, 1, 2}
+    assert kept_groups([4.0, 2.0, 1.9, 0.0], 1, 0.5, "mean", "min_p")[0] == {0, 1}       # >= 0.5 * 4
+    assert kept_groups([1.0, 2.0, 3.0], 1, 0.5, "mean_rev", "min_p")[0] == {0, 1}        # <= 1 / 0.5
+    assert kept_groups([1.0, 2.0, 2.0, 0.0], 1, 2, "mean", "top_k_abs")[0] == {1, 2}
+    assert kept_groups([1.0, 2.0, 2.0, 0.0], 1, 1, "mean", "top_k_abs")[0] == {1}        # tie: lower index
+    # include_zero=False: zero-std groups go first; top_k still counts all 4 groups (int(0.5 * 4) = 2)
+    s = [1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # stds 0, 0, 0, 2.12
+    assert kept_groups(s, 2, 0.5, "std", "top_k", include_zero=False)[0] == {3}
+    assert kept_groups(s, 2, 0.5, "std", "top_k")[0] == {3, 0}
+    got, st = kept_groups(s[:6], 2, 0.5, "std", "top_k", include_zero=False)  # nothing left: empty, stats 0
+    assert got == set() and st["chosen_in_group_std"] == 0.0 and st["chosen_in_group_mean"] == 0.0
+    with pytest.raises(ValueError):
+        starpo.filter_groups(torch.tensor(s), 2, 0.5, "std", "top_q")
+
+
+def test_filter_strategies_match_plain_python():
+    rng = random.Random(11)
+    cases = 0
+    for G in (1, 2, 4):  # exact binary means and variances: float32 and float64 rank the groups the same
+        for num_groups in (1, 3, 6):
+            for _ in range(3):
+                values = [rng.choice([-1.0, 0.0, 0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(G * num_groups)]
+                for kind in ("std", "std_rev", "mean", "mean_rev"):
+                    for strategy, value, mode in (("top_k", 0.25, "linear"), ("top_k", 0.5, "linear"), ("top_k_abs", 2, "linear"),
+                                                  ("top_p", 0.5, "linear"), ("top_p", 0.9, "linear"), ("top_p", 0.9, "softmax"),
+                                                  ("top_p", 0.5, "softmax"), ("top_p", 1.0, "linear"), ("min_p", 0.3, "linear"),
+                                                  ("min_p", 0.7, "linear")):
+                        for include_zero in (True, False):
+                            want = slow_select(values, G, value, kind, strategy, include_zero, mode)
+                            got = kept_groups(values, G, value, kind, strategy, include_zero, mode)[0]
+                            assert got == want, (values, G, value, kind, strategy, include_zero, mode)
+                            cases += 1
+    assert cases == 3 * 3 * 3 * 4 * 10 * 2
+
+
+def slow_group_advantages(scores, ids, kind, eps=1e-6):
+    """veRL core_algos' id2score loops in plain Python."""
+    by = {}
+    for s, i in zip(scores, ids):
+        by.setdefault(i, []).append(s)
+    out = []
+    for s, i in zip(scores, ids):
+        xs, n = by[i], len(by[i])
+        mean, std = (sum(xs) / n, statistics.stdev(xs)) if n > 1 else (0.0, 1.0)
+        out.append((s - mean) / (std + eps) if kind == "grpo" else
+                   (s * n / (n - 1) - mean * n / (n - 1) if n > 1 else s) if kind == "rloo" else s - mean)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"])
+def test_group_advantages_match_verl_loops(kind):
+    # groups of 3, 2 (a tie), 1 (singleton) and 4 (constant), labelled out of order
+    scores = [1.0, 0.0, 0.0, 0.5, 0.5, 3.0, 2.0, 2.0, 2.0, 2.0, 0.7, -0.3]
+    ids = [5, 5, 5, 2, 2, 9, 7, 7, 7, 7, 1, 1]
+    got = starpo.group_advantages(torch.tensor(scores), torch.tensor(ids), kind)
+    assert close(got, slow_group_advantages(scores, ids, kind), 1e-5)
+    assert torch.equal(got[6:10], torch.zeros(4)) and torch.equal(got[3:5], torch.zeros(2))  # constant groups: 0
+    if kind == "rloo":  # the score minus the mean of the others: 1 - 0, 0 - 0.5
+        assert close(got[:3], [1.0, -0.5, -0.5])
+    assert starpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), kind).shape == (0,)
+
+
+def test_reinforce_pp_returns_reset_at_observations():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 0.0, 0.0]])  # [2, 5]
+    mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]])  # row 0: an observation token at 1, padding at 4
+    adv, ret = starpo.reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    # row 0 backwards: t3 1, t2 .5, t1 (mask 0) .25 then reset, t0 0; row 1: .5 at t2, .25, .125
+    assert close(ret[0], [0.0, 0.25, 0.5, 1.0, 0.0]) and close(ret[1], [0.125, 0.25, 0.5, 0.0, 0.0])
+    on = [0.0, 0.5, 1.0, 0.125, 0.25, 0.5]  # the masked returns, whitened with an unbiased variance
+    mu, var = sum(on) / 6, sum((x - sum(on) / 6) ** 2 for x in on) / 5
+    want = [[(x - mu) / math.sqrt(var + 1e-8) * m for x, m in zip(r, mr)] for r, mr in zip(ret.tolist(), mask.tolist())]
+    assert close(adv, want, 1e-5)
+
+
+def test_adjust_rows_copy_delete():
+    g = lambda: torch.Generator().manual_seed(3)
+    assert torch.equal(starpo.adjust_rows(8, 4, "copy", g()), torch.arange(8))  # already a multiple: no-op
+    c = starpo.adjust_rows(9, 4, "copy", g())
+    assert len(c) == 12 and torch.equal(c[:9], torch.arange(9)) and len(set(c[9:].tolist())) == 3  # no repeats
+    assert torch.equal(c, starpo.adjust_rows(9, 4, "copy", g()))  # the same draw from the same seed (every rank)
+    assert starpo.adjust_rows(1, 4, "copy", g()).tolist() == [0, 0, 0, 0]  # fewer rows than needed: with replacement
+    d = starpo.adjust_rows(9, 4, "delete", g())
+    assert len(d) == 8 and d.tolist() == sorted(d.tolist()) and set(d.tolist()) < set(range(9))
+    assert len(starpo.adjust_rows(3, 4, "delete", g())) == 0  # fewer rows than the multiple: nothing left
+    assert len(starpo.adjust_rows(0, 4, "copy", g())) == 0
+    with pytest.raises(ValueError):
+        starpo.adjust_rows(5, 4, "pad", g())
+
+
+def test_std_collapsed_hand_worked():
+    base = [1.0, 0.5, 1.5] + [1.0] * 7  # mean 1: the threshold is 0.1
+    assert not starpo.std_collapsed(base + [0.05] * 9)           # only 9 later steps
+    assert starpo.std_collapsed(base + [0.05] * 10)
+    assert starpo.std_collapsed(base + [0.5] + [0.05] * 10)      # the last 10 count, not all the later ones
+    assert not starpo.std_collapsed(base + [0.05] * 9 + [0.1])   # 0.1 is not under 0.1
+    assert not starpo.std_collapsed([0.0] * 20)                  # a zero baseline never collapses
+
+
+def windowed_rollout(model, tok, **kw):
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(4)]
+    return rollout.rollout(model, tok, envs, [3, 3, 8, 8], preset, group_size=2, max_turns=3, max_new_tokens=16,
+                           sample_seed=0, **kw)
+
+
+def test_limited_multi_turn_rows_are_the_full_rollouts_prefixes(tiny):
+    model, tok = tiny
+    full, lmt = windowed_rollout(model, tok), windowed_rollout(model, tok, window_mode="limited_multi_turn")
+    assert full["episode"].tolist() == [0, 1, 2, 3] and lmt["episode"].tolist() == [0, 1, 2, 3] * 3  # turn by turn
+    for r, b in enumerate(lmt["episode"].tolist()):
+        L, turn = int(lmt["attention_mask"][r].sum()), r // 4
+        assert torch.equal(lmt["tokens"][r, :L], full["tokens"][b, :L])  # the same tokens, cut after this turn
+        spans = [(i, j) for i, j in zip([0] + full["turn_ends"][b], full["turn_ends"][b])]
+        # the loss covers this turn's answer only: the full rollout's mask between the previous and this turn end
+        want = full["loss_mask"][b, :L].clone()
+        want[:spans[turn][0] + (turn > 0)] = False
+        assert torch.equal(lmt["loss_mask"][r, :L], want) and lmt["turn_ends"][r] == [full["turn_ends"][b][turn]]
+    assert lmt["scores"].tolist() == full["scores"].tolist() and lmt["stats"]["context_rebuilds"].sum() == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "limited_multi_turn", "single_turn"])
+def test_context_window_rebuilds_the_kv_row(tiny, mode):
+    model, tok = tiny
+    a = windowed_rollout(model, tok, window_mode=mode, window=1)
+    b = windowed_rollout(model, tok, window_mode=mode, window=1, kv_reuse=False)  # a fresh prefill every turn
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-4)
+    m = a["loss_mask"]
+    assert torch.allclose(teacher_forced_logp(model, a["tokens"], a["attention_mask"])[m], a["old_logp"][m], atol=1e-4)
+    assert a["stats"]["context_rebuilds"].tolist() == [2.0] * 4  # turns 2 and 3 drop the turn before
+    full = windowed_rollout(model, tok)
+    assert (a["stats"]["prefill_tokens"] > full["stats"]["prefill_tokens"]).all()
+    text = tok.decode(a["tokens"][-1][a["attention_mask"][-1]])  # the last row: turn 3 of its episode, alone
+    assert "\nTurn 3:\n" in text and "\nTurn 2:\n" not in text and "\nTurn 1:\n" not in text and "Summary:" not in text
+    assert len(a["episode"]) == (4 if mode == "full" else 12)
+
+
+def test_single_turn_retells_the_window_as_text(tiny):
+    model, tok = tiny
+    out = windowed_rollout(model, tok, window_mode="single_turn", window=2)
+    last = tok.decode(out["tokens"][-1][out["attention_mask"][-1]])  # turn 3 shows turn 2 retold, then turn 3
+    assert last.count("<|im_start|>user") == 1 and "Showing the last 1 turn(s)" in last and "Summary: 2 step(s)" in last
+    r = out["responses"][3][1]
+    assert f"Turn 2 Reward: {r['reward'] + (-0.1 if r['penalized'] else 0.0)}\n" in last and "Turn 1 State" not in last
+    assert out["stats"]["context_rebuilds"].tolist() == [2.0] * 4
+
+
+R2 = [*TINY, "--collapse-every", "0", "--val-every", "0", "--steps", "2"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--algo", "drgrpo", "--env", "SimpleSokoban:2", "FrozenLake:2", "--filter-strategy", "top_p", "--filter-ratio", "0.5",
+     "--filter-metric", "length", "--context-window-mode", "limited_multi_turn", "--max-context-window", "1",
+     "--batch-adjust", "delete", "--val-every", "2"],
+    ["--algo", "rloo", "--env", "frozenlake", "--filter-strategy", "top_p", "--filter-top-p-mode", "softmax",
+     "--filter-ratio", "0.6", "--filter-metric", "entropy", "--context-window-mode", "single_turn"],
+    ["--algo", "reinforce_pp_baseline", "--env", "sokoban", "--filter-strategy", "top_k_abs", "--filter-ratio", "1",
+     "--filter-metric", "entropy_std", "--filter-loss-scaling", "sqrt", "--max-context-window", "1"],
+])
+def test_two_step_run_ragen2_algos_filters_and_windows(tmp_path, flags):
+    out = str(tmp_path / "run")
+    run_train(*R2, *flags, "--out", out)
+    ms, args = read_metrics(out), json.load(open(os.path.join(out, "args.json")))
+    assert [m["step"] for m in ms][:2] == [0, 1] and all(m["train/batch_size"] % 4 == 0 for m in ms[:2])
+    assert all("actor/pg_loss" in m for m in ms[:2] if m["train/batch_size"])
+    assert args["loss_agg"] == ("seq-mean-token-sum" if "drgrpo" in flags else "token-mean")
+    if "FrozenLake:2" in flags:  # env mixing: metrics per preset, validation on both, 8 episodes x 2 turns = 16 rows
+        assert {"train/SimpleSokoban/success", "train/FrozenLake/success", "val-env/FrozenLake/success"} <= set(ms[0]) | set(ms[-1])
+        assert args["env_mix"] == [["SimpleSokoban", 2], ["FrozenLake", 2]] and ms[0]["rollout/length/in_group_mean"] > 0
+
+
+def test_varying_kept_count_under_torchrun_matches_one_process(tmp_path):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    flags = [*R2, "--env", "frozenlake", "--algo", "reinforce_pp", "--num-groups", "4", "--group-size", "3",
+             "--filter-strategy", "min_p", "--filter-ratio", "0.9", "--filter-metric", "length", "--lr", "1e-3"]
+    run_train(*flags, "--out", one)
+    run_train(*flags, "--out", two, torchrun=2)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [m["train/real_batch_size"] for m in a] == [m["train/real_batch_size"] for m in b]
+    assert any(m["train/real_batch_size"] % 4 for m in a)  # 3-row groups: the copy adjust had work to do
+    for x, y in zip(a, b):
+        assert x["train/batch_size"] == y["train/batch_size"] and x["train/batch_size"] % 4 == 0
+        for k in ("rollout/kept_fraction", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
+
+
+def test_empty_steps_are_skipped_then_stop(tmp_path):
+    # the tiny model never answers well, so every group has std 0 and linear top_p keeps nothing
+    out = str(tmp_path / "run")
+    r = run_train(*R2, "--env", "bandit", "--algo", "grpo", "--filter-strategy", "top_p", "--filter-ratio", "0.9",
+                  "--steps", "5", "--empty-stop-steps", "2", "--max-turns", "1", "--max-new-tokens", "4", "--out", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1] and [m["rollout/consecutive_empty_steps"] for m in ms] == [1, 2]
+    assert ms[1]["early_stopped/empty_filtered_steps"] == 1 and "actor/pg_loss" not in ms[0]
+    assert "stopping early: 2 steps in a row had nothing to train" in r.stdout
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
+
+
+def test_early_stop_on_validation_success(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(*R2, "--env", "bandit", "--early-stop", "--val-every", "1", "--steps", "8", "--max-turns", "1",
+                  "--max-new-tokens", "4", "--out", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4] and ms[-1]["early_stopped/low_validation_success"] == 1
+    assert "val-env/Bandit/success under 0.01 at 5 validations in a row" in r.stdout
+    assert not any(m["step"] == 8 for m in ms)  # no final validation after a stop
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--env", "SimpleSokoban:2", "FrozenLake"], "give each a positive group count"),
+    (["--context-window-mode", "single_turn", "--turn-rewards"], "--turn-rewards and --bi-level-gae need whole episodes"),
+])
+def test_ragen2_bad_flags_one_line(flags, message):
+    r = run_train(*TINY, "--steps", "1", *flags, check=False)
+    assert r.returncode != 0 and message in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
+
+
+# ==================================================================================================
+# Issue 15: a newcomer's first ten minutes (--demo, progress, next steps, --help)
+# ==================================================================================================
+
+def test_demo_preset_runs_with_the_tiny_model_and_flags_override_it(tmp_path):
+    out = str(tmp_path / "demo")
+    r = run_train("--lr", "1e-3", "--demo", "--model", "tiny", "--steps", "2", "--val-every", "2", "--val-groups", "4",
+                  "--out", out)
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["env"], args["algo"], args["reward_norm"], args["no_think"]) == ("BanditTest", "grpo", "mean", True)  # the preset
+    assert (args["model"], args["lr"], args["steps"], args["val_groups"]) == ("tiny", 1e-3, 2, 4)  # given flags win, before or after --demo
+    demo_line = next(l for l in r.stdout.splitlines() if l.startswith("--demo = python train.py --model smollm2 "))
+    assert demo_line.endswith(f" --lr 1e-3 --model tiny --steps 2 --val-every 2 --val-groups 4 --out {out}")
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
+    assert "held-out validation, 4 seeds per preset, step 0 -> 2:\n  BanditTest: success " in r.stdout
+    assert os.path.exists(os.path.join(out, "curves.png")) and f"curves: {os.path.join(out, 'curves.png')}" in r.stdout
+
+
+def test_progress_names_each_phase_and_the_end_says_what_next(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--ppo-epochs", "2", "--steps", "1", "--val-every", "1",
+                  "--out", out)
+    for line in ["step 0: validation SimpleSokoban turn 2/2", "step 0: rollout SimpleSokoban turn 1/2",
+                 "step 0: rollout SimpleSokoban turn 2/2", "step 0: collapse diagnostics", "step 0: old log-probs",
+                 "step 0: reference log-probs and values", "step 0: update mini-batch 1/2", "step 0: update mini-batch 2/2",
+                 "step 0: checkpoint"]:
+        assert line in r.stderr, line  # tqdm writes to stderr
+    assert r.stdout.index("loading --model tiny") < r.stdout.index("final validation: ['SimpleSokoban'], 2 seeds each")
+    for line in ["held-out validation, 2 seeds per preset, step 0 -> 1:", f"run directory {out}:",
+                 f"curves: python eval.py --plot {out}", f"--resume {out}", f"next: python eval.py --model {out}"]:
+        assert line in r.stdout, line
+    assert not os.path.exists(os.path.join(out, "curves.png"))  # drawn by --demo only
+
+
+def test_help_is_grouped_and_shows_defaults():
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--help"], capture_output=True, text=True,
+                       cwd=HERE, env=dict(os.environ, COLUMNS="200"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    titles = [l[:-1] for l in r.stdout.splitlines() if l.endswith(":") and not l.startswith(" ")]
+    assert titles[-7:] == ["environment and agent loop", "model", "batch sizes", "algorithm", "optimisation", "validation", "run"]
+    for text in ["--filter-ratio FILTER_RATIO", "(default: 0.25)", "(default: 1e-06)", "--demo", "(default: ['sokoban'])"]:
+        assert text in r.stdout, text

@@ -1,7 +1,7 @@
 """
 StarPO / StarPO-S: multi-turn PPO or GRPO on whole agent trajectories (RAGEN, arXiv 2504.20073).
 
-    python train.py --model smollm2 --env bandit --no-think ...        # CPU demo, see README
+    python train.py --demo                                              # the offline CPU demo, see README
     python train.py --env sokoban --algo ppo                            # one GPU, the paper's StarPO-S
     torchrun --nproc_per_node=8 train.py --env sokoban --algo ppo      # eight GPUs, same maths
 
@@ -11,32 +11,38 @@ rollout -> filter groups -> old / ref log-probs and values -> advantages -> PPO 
 """
 import argparse
 import copy
+import importlib.util
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 
 import env_bandit
+import env_countdown
 import env_frozenlake
 import env_sokoban
 import env_webshop
+import rollout as rollout_py  # its sampler switches; the function rollout() is imported below
 import starpo
-from rollout import load_model, rollout
+from rollout import load_model, reasoning_span, rollout
 
 # every preset of every env file, plus short names (one dict literal, no registry)
 ENV_CLASSES = {}
 for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, env_sokoban),
-                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop)]:
+                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop),
+                   (env_countdown.CountdownEnv, env_countdown)]:
     for _name, _preset in _mod.PRESETS.items():
         ENV_CLASSES[_name] = (_cls, _preset)
-SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop"}
+SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop",
+               "countdown": "Countdown"}
 
 
 def preset_name(name):
@@ -49,86 +55,156 @@ def preset_name(name):
 
 
 # ----------------------------------------------------------------------------- CLI
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-# Environment and agent loop
-p.add_argument("--env", default="sokoban", help="short name (bandit, sokoban, frozenlake, webshop) or any preset")
-p.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
-p.add_argument("--max-turns", type=int, default=None, help="turns per episode (agent_proxy.max_turn; default 5, or the preset's: Bandit 1, WebShop 9)")
-p.add_argument("--max-actions-per-turn", type=int, default=None, help="actions kept per turn (default 5, or the preset's: Bandit and WebShop 1)")
-p.add_argument("--max-actions-per-traj", type=int, default=None, help="action budget per episode (default: the preset's, 10 for Sokoban)")
-p.add_argument("--max-new-tokens", type=int, default=400, help="response tokens per turn (rollout.response_length)")
-p.add_argument("--max-context", type=int, default=None, help="longest conversation in tokens, longer episodes end as truncated (default 3600, WebShop 15000)")
-p.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
-p.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
-p.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
-p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (also used for log-probs)")
-p.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
-# Model
-p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
-p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-p.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory in the updates")
-# Batch sizes
-p.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
-p.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
-p.add_argument("--filter-ratio", type=float, default=0.25, help="StarPO-S: keep this fraction of groups (1 = no filter)")
-p.add_argument("--filter-type", default="std", choices=["std", "std_rev"], help="rank groups by largest (std) or smallest in-group reward std")
-p.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
-p.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
-p.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
-p.add_argument("--online-k", type=int, default=1, help="Online-k: roll out k times the groups, feed k mini-batch updates")
-# Algorithm
-p.add_argument("--algo", default="ppo", choices=["ppo", "grpo"], help="ppo = critic + GAE; grpo = group-normalised scores, no critic")
-p.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
-p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
-p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher, DAPO)")
-p.add_argument("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages (0 = off)")
-p.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-p.add_argument("--entropy-coef", type=float, default=0.001, help="entropy bonus")
-p.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the reference model (0 = no reference model)")
-p.add_argument("--kl-type", default="kl", choices=["kl", "abs", "mse", "low_var_kl"], help="k1 / |k1| / k2 / k3")
-p.add_argument("--gamma", type=float, default=1.0, help="GAE discount over action tokens")
-p.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-p.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
-p.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
-p.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
-p.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"], help="score normalisation (default: identity for ppo, mean_std for grpo)")
-p.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"])
-p.add_argument("--value-clip", type=float, default=0.5, help="critic value clipping")
-p.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"], help="old log-probs from a forward before the update (RAGEN) or from the sampler")
-# Optimisation
-p.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
-p.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
-p.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
-p.add_argument("--weight-decay", type=float, default=0.01)
-p.add_argument("--grad-clip", type=float, default=1.0)
-# Validation
-p.add_argument("--val-every", type=int, default=10, help="validate every N steps, before training and at the end (0 = never)")
-p.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
-p.add_argument("--val-temperature", type=float, default=0.5)
-p.add_argument("--val-seed", type=int, default=123)
-# Run
-p.add_argument("--seed", type=int, default=10000, help="first train env seed; step s uses seed + s*num_groups + g")
-p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
-p.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
-p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
-p.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
-p.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
-p.add_argument("--inject-nan", type=int, default=-1, help="testing only: make the loss NaN at this step")
+class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the docstring as written, each flag with its default (a None default: the help says it)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
+g = p.add_argument_group("environment and agent loop")
+g.add_argument("--env", nargs="+", default=["sokoban"], help="short name (bandit, sokoban, frozenlake, webshop, countdown) or "
+               "any preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. SimpleSokoban:4 FrozenLake:4")
+g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
+g.add_argument("--max-turns", type=int, default=None, help="turns per episode (agent_proxy.max_turn; default 5, or the preset's: Bandit 1, WebShop 9)")
+g.add_argument("--max-actions-per-turn", type=int, default=None, help="actions kept per turn (default 5, or the preset's: Bandit and WebShop 1)")
+g.add_argument("--max-actions-per-traj", type=int, default=None, help="action budget per episode (default: the preset's, 10 for Sokoban)")
+g.add_argument("--max-new-tokens", type=int, default=400, help="response tokens per turn (rollout.response_length)")
+g.add_argument("--max-context", type=int, default=None, help="longest conversation in tokens, longer episodes end as truncated (default 3600, WebShop 15000)")
+g.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
+g.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
+g.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
+g.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (also used for log-probs)")
+g.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
+g.add_argument("--context-window-mode", default="full", choices=["full", "limited_multi_turn", "single_turn"],
+               help="full: one training row per episode; limited_multi_turn / single_turn: one row per turn (RAGEN-2)")
+g.add_argument("--max-context-window", type=int, default=-1, help="show only the last k turns in the prompt (-1 = all)")
+g = p.add_argument_group("model")
+g.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
+g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype of forwards and rollouts "
+               "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce), fp32 on CPU")
+g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
+               "= fixed-shape KV pool, compiled = static + torch.compile'd decode step (CUDA graphs on GPU); auto = compiled "
+               "on CUDA, eager on CPU. All of them sample the same tokens")
+g.add_argument("--plan", action="store_true", help="print the expected peak memory per rank by part for these flags, then exit")
+g.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory in the updates")
+g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft on the actor and the critic trunk, base weights "
+               "frozen (0 = full fine-tuning; RAGEN base-lora.yaml: 64, with lr x10)")
+g.add_argument("--lora-alpha", type=float, default=64, help="LoRA alpha; the update is scaled by alpha / rank (RAGEN: 64)")
+g.add_argument("--lora-target", default="all-linear", help="peft target_modules: all-linear (every Linear but lm_head) or "
+               "comma-separated names, e.g. q_proj,v_proj")
+g.add_argument("--save-adapter", action="store_true", help="with --lora-rank, also write the adapter alone (peft format) to <out>/hf/adapter")
+g = p.add_argument_group("batch sizes")
+g.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
+g.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
+g.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
+               "(StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, min_p this fraction of the best")
+g.add_argument("--filter-type", default="std", choices=["std", "std_rev", "largest", "smallest"],
+               help="keep the groups with the largest (std = largest) or smallest (std_rev) statistic")
+g.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
+g.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
+               help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of the "
+               "trajectories' mean token entropy, mean response length")
+g.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"], help="top_p: score-sum rule or softmax mass")
+g.add_argument("--filter-drop-zero", action="store_true", help="drop groups whose statistic is 0 before ranking (include_zero=False)")
+g.add_argument("--filter-eps", type=float, default=0.01, help="linear top_p threshold = value * sum - eps")
+g.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"], help="advantages x kept group fraction (or its sqrt)")
+g.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"], help="make a varying kept row count a multiple "
+               "of the mini-batch size: duplicate or drop random rows")
+g.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this many steps in a row with nothing to train (0 = never)")
+g.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
+g.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
+g.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
+g.add_argument("--online-k", type=int, default=1, help="Online-k: roll out k times the groups, feed k mini-batch updates")
+g = p.add_argument_group("algorithm")
+g.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+               help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
+               "group mean, rloo = minus the mean of the others, reinforce_pp(_baseline) = REINFORCE++ (veRL)")
+g.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
+g.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
+g.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher, DAPO)")
+g.add_argument("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages (0 = off)")
+g.add_argument("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+               help="default token-mean; seq-mean-token-sum for drgrpo")
+g.add_argument("--entropy-coef", type=float, default=0.001, help="entropy bonus")
+g.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the reference model (0 = no reference model)")
+g.add_argument("--kl-type", default="kl", choices=["kl", "abs", "mse", "low_var_kl"], help="k1 / |k1| / k2 / k3")
+g.add_argument("--gamma", type=float, default=1.0, help="GAE discount over action tokens")
+g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+g.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
+g.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
+g.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
+g.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"], help="score normalisation (default: identity for ppo, mean_std for grpo)")
+g.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"],
+               help="which scores are normalised together: a group (same initial state), the whole batch, or one env tag (inductive)")
+g.add_argument("--value-clip", type=float, default=0.5, help="critic value clipping")
+g.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"], help="old log-probs from a forward before the update (RAGEN) or from the sampler")
+g = p.add_argument_group("optimisation")
+g.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
+g.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
+g.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
+g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
+g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
+g = p.add_argument_group("validation")
+g.add_argument("--val-every", type=int, default=10, help="validate every N steps, before training and at the end (0 = never)")
+g.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
+g.add_argument("--val-temperature", type=float, default=0.5, help="validation sampling temperature (RAGEN val_kwargs)")
+g.add_argument("--val-seed", type=int, default=123, help="first validation seed (RAGEN seed.val)")
+g.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never)")
+g = p.add_argument_group("run")
+DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
+        "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
+        "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
+g.add_argument("--demo", action="store_true", help=f"the offline CPU demo (README): {DEMO}; flags given with it override these")
+g.add_argument("--seed", type=int, default=10000, help="first train env seed; step s uses seed + s*num_groups + g")
+g.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
+g.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
+g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
+g.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
+g.add_argument("--inject-nan", type=int, default=-1, help="testing only: make the loss NaN at this step")
+g.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
+               "of the first 10), or validation success under 1%% 5 times in a row")
 args = p.parse_args()
+if args.demo:  # the preset first, the command line after it: for a flag given twice argparse keeps the last
+    args = p.parse_args(DEMO.split() + sys.argv[1:])
 
 if args.vanilla:  # RAGEN train_all.sh USE_BASE: no filter, symmetric clip, KL loss 0.001 (k1)
     args.filter_ratio, args.clip_high, args.kl_coef = 1.0, 0.2, 0.001
 if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN_SPEC §4.3)
     args.reward_norm = "mean_std" if args.algo == "grpo" else "identity"
-args.env = preset_name(args.env)
+if args.loss_agg is None:  # Dr.GRPO sums a sequence's tokens (RAGEN-2 run_main_table_diff_algo.sh)
+    args.loss_agg = "seq-mean-token-sum" if args.algo == "drgrpo" else "token-mean"
+# env mixing: [[preset, groups], ...]; one preset alone gets --num-groups. The first preset sets the agent-loop
+# defaults below, shared by all (RAGEN: one agent_proxy for every tag)
+mix = [e.rsplit(":", 1) if ":" in e else [e, ""] for e in args.env]
+if any(not (n.isdigit() and int(n) > 0) for _, n in mix if n or len(mix) > 1):
+    sys.exit("train.py: to mix presets give each a positive group count, e.g. --env SimpleSokoban:4 FrozenLake:4")
+args.env_mix = [[preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
+if len({e for e, _ in args.env_mix}) < len(args.env_mix):
+    sys.exit("train.py: a preset appears twice in --env")
+args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
 for key, default in (("max_turns", 5), ("max_actions_per_turn", 5), ("max_context", 3600)):  # RAGEN's per-env configs
     if getattr(args, key) is None:
         setattr(args, key, ENV_CLASSES[args.env][1].get(key, default))
 if args.val_env is None:
-    args.val_env = [args.env] + (["BanditTest"] if args.env == "Bandit" else [])
+    args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
 args.val_env = [preset_name(v) for v in args.val_env]
 if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
     sys.exit("train.py: --bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
+windowed = args.context_window_mode != "full" or args.max_context_window > 0  # rows no longer hold whole episodes
+if args.max_context_window == 0 or args.max_context_window < -1:
+    sys.exit("train.py: --max-context-window is -1 (all turns) or k >= 1")
+if windowed and (args.turn_rewards or args.bi_level_gae):
+    sys.exit("train.py: --turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, no --max-context-window")
+if args.context_window_mode == "full" and args.max_context_window > 0 and args.old_logp == "sampler":
+    sys.exit("train.py: with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
+if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
+    sys.exit(f"train.py: --algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
+filter_kind = ("mean" if args.filter_metric in ("reward_mean", "entropy", "length") else "std") + \
+    ("_rev" if args.filter_type in ("std_rev", "smallest") else "")  # starpo.filter_groups' ranking statistic
 
 # ----------------------------------------------------------------------------- compute init
 ddp = int(os.environ.get("RANK", -1)) != -1
@@ -158,10 +234,18 @@ def die(msg):  # every rank sees the same args, so every rank stops with the sam
 # derived batch sizes, checked up front (RAGEN train.py asserts the same things)
 rollout_groups = args.num_groups * args.online_k
 kept_groups = rollout_groups if args.filter_ratio >= 1 else int(args.filter_ratio * rollout_groups)
+if args.filter_strategy == "top_k_abs":
+    kept_groups = min(int(args.filter_ratio), rollout_groups)
 kept_rows = kept_groups * args.group_size
+# top_k keeps a known number of groups of whole episodes; otherwise the kept row count varies from step to step
+# and is brought to a multiple of this by --batch-adjust (RAGEN-2 uses lcm(env_groups, mini-batch, GPUs))
+fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed
+row_multiple = math.lcm(args.mini_batch_size, world)
 if rollout_groups % world:
     die(f"--num-groups x --online-k = {rollout_groups} groups cannot be split over {world} ranks")
-if kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size:
+if any(n * args.online_k % world for _, n in args.env_mix):
+    die(f"each mixed preset's groups x --online-k must split over {world} ranks: {args.env_mix}")
+if fixed_keep and (kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size):
     die(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
         f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
 if args.mini_batch_size % world:
@@ -176,34 +260,53 @@ if args.resume:
     ckpt_path = os.path.join(args.resume, "ckpt.pt")
     if not os.path.exists(ckpt_path):
         die(f"--resume {args.resume}: no ckpt.pt there")
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    # mmap: every rank maps the same file, so the page cache holds one copy of the full state dicts, not one per
+    # rank; load_state() copies them into this rank's (sharded) parameters
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    if ckpt["step"] >= args.steps:
+        die(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} leaves nothing to do")
     changed = {k: (v, getattr(args, k)) for k, v in ckpt["args"].items()
                if k not in ("resume", "out", "steps", "save_every", "inject_nan", "wandb", "val_every", "device",
-                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse")
+                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "collapse_every")
                and getattr(args, k, None) != v}
     if changed:
         die(f"--resume {args.resume}: flags differ from the run's args.json: " +
             ", ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
     args.out = args.resume
+elif args.out is not None and os.path.exists(os.path.join(args.out, "ckpt.pt")):
+    die(f"--out {args.out} holds a checkpoint: continue it with --resume {args.out}, or choose another --out")
 if args.out is None:
     args.out = os.path.join("runs", f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+_d = os.path.abspath(args.out)
+while not os.path.exists(_d):  # the run directory, or the first of its parents that exists, must be a writable directory
+    _d = os.path.dirname(_d)
+if not (os.path.isdir(_d) and os.access(_d, os.W_OK | os.X_OK)):
+    die(f"--out {args.out}: cannot write there, {_d} {'is not writable' if os.path.isdir(_d) else 'is not a directory'}")
 torch.manual_seed(args.seed)
 
-print0(f"env {args.env} -> val {args.val_env} | {args.algo}{' (vanilla StarPO)' if args.vanilla else ''} | "
-       f"world {world} on {device} | rollout {rollout_groups}x{args.group_size} = {rollout_groups * args.group_size} "
-       f"trajectories, keep {kept_groups} groups = {kept_rows}, {updates_per_step} optimizer steps per step")
+if args.demo:
+    print0(f"--demo = python train.py {DEMO} {' '.join(a for a in sys.argv[1:] if a != '--demo')}".rstrip())
+keeps = (f"keep {kept_groups} groups = {kept_rows}, {updates_per_step} optimizer steps per step" if fixed_keep else
+         f"keep a varying number of rows, {args.batch_adjust} to a multiple of {row_multiple}")
+print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_env} | {args.algo}"
+       f"{' (vanilla StarPO)' if args.vanilla else ''} | world {world} on {device} | rollout {rollout_groups}x{args.group_size} "
+       f"= {rollout_groups * args.group_size} trajectories, {keeps}")
 
 # ----------------------------------------------------------------------------- models
 # Weights are fp32 (the optimizer's master copy); on GPU the forward runs in bf16 autocast, as RAGEN's
 # FSDP mixed precision does. Rollouts run on a plain unsharded copy (the sampler calls submodules
 # directly, which FSDP2's hooks would not see; CPU_NOTES §5), refreshed after every update.
+print0(f"loading --model {args.model} ...")
 try:
     actor, tok = load_model(args.model, device=device, dtype=torch.float32)
 except (ValueError, FileNotFoundError, OSError) as e:
     die(f"cannot load --model {args.model}: {e}")
-rollout_dtype = torch.bfloat16 if use_cuda else torch.float32
-autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if use_cuda else nullcontext
-ref = copy.deepcopy(actor).eval().requires_grad_(False) if args.kl_coef > 0 else None
+bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)  # --dtype bf16 runs the GPU settings on a CPU too
+rollout_dtype = torch.bfloat16 if bf16 else torch.float32
+autocast = (lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext
+if args.sampler != "auto":  # else rollout.py decides: static + compiled exactly on CUDA
+    rollout_py.STATIC, rollout_py.COMPILE = args.sampler != "eager", ("inductor" if args.sampler == "compiled" else None)
+ref = copy.deepcopy(actor).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
 
 
 class Critic(torch.nn.Module):
@@ -216,7 +319,7 @@ class Critic(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, tokens, attention_mask):
-        h = self.model(input_ids=tokens, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        h = self.model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, T, H]
         v = self.head(h).squeeze(-1).float()                                              # [B, T]
         # values[:, t] = V(tokens[:, :t]): the state in which token t is chosen, aligned with logp[:, t]
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)                   # [B, T]
@@ -228,15 +331,29 @@ if args.grad_checkpointing:
     if critic is not None:
         critic.model.gradient_checkpointing_enable()
 rollout_model = actor
-if ddp or rollout_dtype != torch.float32:
+if ddp or rollout_dtype != torch.float32 or args.lora_rank:  # LoRA: a plain copy, adapter merged in (sync_rollout_weights)
     rollout_model = copy.deepcopy(actor).to(rollout_dtype).eval().requires_grad_(False)
+if args.lora_rank:  # peft LoRA, injected in place by transformers' add_adapter (the classes stay; base weights frozen)
+    if args.lora_rank < 0:
+        die("--lora-rank must be >= 0")
+    from peft import LoraConfig
+    lora_config = lambda: LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                     target_modules="all-linear" if args.lora_target == "all-linear" else args.lora_target.split(","))
+    try:
+        for m in [actor] + ([critic.model] if critic is not None else []):  # RAGEN: the critic trunk gets LoRA too; its head trains fully
+            m.add_adapter(lora_config())
+    except ValueError as e:  # peft: target modules not found
+        die(f"--lora-target {args.lora_target!r}: {str(e).splitlines()[0]}")
 if ddp:  # FSDP2: shard every transformer block, then the root (pytorch/examples distributed/FSDP2)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # bf16: all-gather bf16 parameters (half the traffic of fp32), reduce-scatter gradients in fp32 (RAGEN's FSDP
+    # mixed_precision: param_dtype bf16, reduce_dtype fp32); the sharded master weights and AdamW stay fp32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for m in [actor, critic, ref]:
         if m is not None:
             for block in m.model.layers:
-                fully_shard(block)
-            fully_shard(m)
+                fully_shard(block, mp_policy=mp)
+            fully_shard(m, mp_policy=mp)
 opt = torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
 critic_opt = None if critic is None else torch.optim.AdamW(
     critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
@@ -244,27 +361,55 @@ critic_opt = None if critic is None else torch.optim.AdamW(
 
 @torch.no_grad()
 def sync_rollout_weights():
-    """Copy the (possibly sharded) actor into the unsharded rollout model; every rank calls this."""
+    """Copy the (possibly sharded) actor into the unsharded rollout model; every rank calls this.
+    LoRA: the rollout model is a plain copy with the adapter merged in, W = W0 + B @ A * alpha / r (peft's
+    lora.Linear.get_delta_weight), rather than a copy carrying peft's layers: the sampler keeps running the plain
+    HF layout that load_model self-checked (and that the compiled CUDA-graph step captures) with no per-token
+    adapter matmuls, at the cost of one rank-r product per adapted weight per sync. Only those weights change."""
     if rollout_model is actor:
         return
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    if args.lora_rank:
+        for name, m in actor.named_modules():
+            if hasattr(m, "lora_A"):  # a peft LoRA layer around m.base_layer
+                w = full(m.lora_B["default"].weight) @ full(m.lora_A["default"].weight) * m.scaling["default"]
+                rollout_model.get_submodule(name).weight.copy_(full(m.base_layer.weight) + w)
+        return
     for p_, q in zip(actor.parameters(), rollout_model.parameters()):
-        q.copy_(p_.full_tensor() if hasattr(p_, "full_tensor") else p_)
+        q.copy_(full(p_))
+
+
+def lora_export(adapter_sd, adapter_dir=None):
+    """The HF export under LoRA: the --model weights reloaded (frozen while training) plus the adapter, merged by
+    peft into a plain fp32 model; the adapter alone (peft format) goes to adapter_dir if given."""
+    from peft import get_peft_model
+    model = get_peft_model(load_model(args.model)[0], lora_config())
+    bad = model.base_model.model.load_state_dict(adapter_sd, strict=False).unexpected_keys  # the actor's names
+    assert not bad, bad
+    if adapter_dir:
+        model.save_pretrained(adapter_dir)
+    return model.merge_and_unload()
 
 
 def full_state(model, optimizer=None):
     """Unsharded state dicts on CPU (collective under FSDP2; every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=args.lora_rank > 0)  # LoRA: adapters (+ critic head)
     msd = get_model_state_dict(model, options=o)
+    if args.lora_rank:  # a tied (frozen) lm_head.weight slips through ignore_frozen_params
+        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in trainable}
     return msd, (get_optimizer_state_dict(model, optimizer, options=o) if optimizer is not None else None)
 
 
 def load_state(model, optimizer, msd, osd):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    o = StateDictOptions(full_state_dict=True)
+    o = StateDictOptions(full_state_dict=True, strict=not args.lora_rank)  # LoRA: the frozen base comes from --model
     set_model_state_dict(model, msd, options=o)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, osd, options=o)
+        for st in optimizer.state.values():  # own copies, not views of the memory-mapped ckpt.pt
+            st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v)})
 
 
 start_step = 0
@@ -274,6 +419,7 @@ if ckpt is not None:
         load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"])
     torch.set_rng_state(ckpt["torch_rng"])
     start_step = ckpt["step"] + 1
+    ckpt = dict(monitor=ckpt["monitor"])  # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
     print0(f"resumed {args.out} at step {start_step}")
 sync_rollout_weights()
 
@@ -286,12 +432,24 @@ def all_gather_rows(out):
     if ddp:
         outs = [None] * world
         dist.all_gather_object(outs, out)
+    return merge_rows(outs)
+
+
+def merge_rows(outs):
+    """Concatenate rollout outputs (ranks, or mixed presets) in order: group and episode numbers continue from
+    one output to the next, 2-D tensors are padded to the longest T, a stat some outputs lack counts 0 there."""
     T = max(o["tokens"].shape[1] for o in outs)
+    n_groups = [int(o["group"].max()) + 1 if len(o["group"]) else 0 for o in outs]
+    offsets = lambda sizes: [sum(sizes[:i]) for i in range(len(sizes))]
+    outs = [dict(o, group=o["group"] + g0, episode=o["episode"] + e0) for o, g0, e0 in
+            zip(outs, offsets(n_groups), offsets([len(o["scores"]) for o in outs]))]
     merged = {}
     for k in outs[0]:
         vals = [o[k] for o in outs]
         if k == "stats":
-            merged[k] = {s: torch.cat([v[s] for v in vals]) for s in vals[0]}
+            keys = dict.fromkeys(s for v in vals for s in v)
+            merged[k] = {s: torch.cat([v[s] if s in v else torch.zeros(len(o["scores"])) for v, o in zip(vals, outs)])
+                         for s in keys}
         elif torch.is_tensor(vals[0]) and vals[0].dim() == 2:
             merged[k] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in vals])
         elif torch.is_tensor(vals[0]):
@@ -317,21 +475,33 @@ def rows_of_this_rank(n):
     return slice(rank * per, (rank + 1) * per)
 
 
-def run_rollout(preset_key, n_groups, group_size, seed0, temperature, envs):
-    """This rank's share of n_groups groups, gathered so that every rank holds all of them."""
-    cls, preset = ENV_CLASSES[preset_key]
-    share = rows_of_this_rank(n_groups)
-    seeds = [seed0 + g for g in range(share.start, share.stop) for _ in range(group_size)]
-    if preset_key not in envs:
-        envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
-    preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
-    out = rollout(rollout_model, tok, envs[preset_key], seeds, preset, group_size=group_size,
-                  max_turns=args.max_turns, max_actions_per_turn=args.max_actions_per_turn,
-                  max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
-                  think=not args.no_think, max_context=args.max_context, format_penalty=args.format_penalty,
-                  kv_reuse=not args.no_kv_reuse, sample_seed=args.seed)
-    out["group"] = out["group"] + share.start
-    return all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()})
+def phase(what):
+    """Say on the progress bar what the step is doing (rank 0 only: other ranks' bars, and a closed one, are disabled)."""
+    if not bar.disable:
+        bar.set_description(f"step {step}: {what}")
+
+
+def run_rollout(presets, group_size, seed0, temperature, envs, what="rollout"):
+    """One output per (preset, n_groups) of `presets`, group g of them (counted across presets) from seed seed0 + g:
+    this rank's share of each preset's groups, gathered so that every rank holds all of them."""
+    outs = []
+    for preset_key, n_groups in presets:
+        cls, preset = ENV_CLASSES[preset_key]
+        share = rows_of_this_rank(n_groups)
+        seeds = [seed0 + g for g in range(share.start, share.stop) for _ in range(group_size)]
+        seed0 += n_groups
+        if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
+            envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
+        preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
+        out = rollout(rollout_model, tok, envs[preset_key][:len(seeds)], seeds, preset, group_size=group_size,
+                      max_turns=args.max_turns, max_actions_per_turn=args.max_actions_per_turn,
+                      max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
+                      think=not args.no_think, max_context=args.max_context, format_penalty=args.format_penalty,
+                      kv_reuse=not args.no_kv_reuse, sample_seed=args.seed, window=args.max_context_window,
+                      window_mode=args.context_window_mode,
+                      progress=lambda t, n: phase(f"{what} {preset_key} turn {t}/{n}"))
+        outs.append(all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}))
+    return outs
 
 
 def env_metrics(out, prefix, group_size):
@@ -342,6 +512,58 @@ def env_metrics(out, prefix, group_size):
     for k, v in out["stats"].items():
         m[f"{prefix}/{k}"] = v.float().mean().item()
     return m
+
+
+def collapse_metrics(out, step, max_pairs=64):
+    """RAGEN-2 collapse diagnostics (ragen/trainer/collapse_metrics.py) of a rollout, before filtering: up to 64
+    (x, z) pairs (rollout.reasoning_span), each z scored under every column's prompt by the rollout model
+    (starpo.cross_logliks) and reduced by starpo.collapse_stats. first_turn: first turns, one column per group
+    (a group's members share their first prompt). any_turn (multi-turn runs only): one turn drawn per trajectory
+    among its turns with a non-empty z, one column per pair (RAGEN's trajectory-uniform sample)."""
+    g = torch.Generator().manual_seed(args.seed + step)  # its own generator: the training RNG is untouched
+    spans = [[reasoning_span(tok, out["tokens"][b].tolist(), out["loss_mask"][b].tolist(), e, not args.no_think)
+              for e in ends] for b, ends in enumerate(out["turn_ends"])]  # spans[b][t] = (x, z)
+    m = {}
+    for name in ["first_turn"] + (["any_turn"] if args.max_turns > 1 else []):
+        pairs = []  # (row, x, z)
+        for b, turns in enumerate(spans):
+            ok = [t for t, (_, z) in enumerate(turns[:1] if name == "first_turn" else turns) if z]
+            if ok:
+                pairs.append((b, *turns[ok[int(torch.randint(len(ok), (1,), generator=g))]]))
+        m[f"collapse/{name}/valid_rate"] = len(pairs) / len(spans)
+        pairs = [pairs[i] for i in sorted(torch.randperm(len(pairs), generator=g)[:max_pairs].tolist())]
+        if name == "first_turn":
+            cols = sorted({int(out["group"][b]) for b, _, _ in pairs})
+            prompts = [next(x for b, x, _ in pairs if int(out["group"][b]) == c) for c in cols]
+            own = [cols.index(int(out["group"][b])) for b, _, _ in pairs]
+        else:
+            prompts, own = [x for _, x, _ in pairs], list(range(len(pairs)))
+        if len(prompts) < 2:  # MI needs two prompts at least
+            continue
+        ids = {}
+        cls = [ids.setdefault(tuple(x), len(ids)) for x in prompts]  # identical prompts share an id
+        L, L_sum = starpo.cross_logliks(rollout_model, prompts, [z for _, _, z in pairs], args.temperature)
+        m.update({f"collapse/{name}/{k}": v for k, v in starpo.collapse_stats(L, L_sum, own, cls).items()})
+    return m
+
+
+@contextmanager
+def saved_bytes(model):
+    """Bytes of the distinct storages autograd keeps for backward inside the block (held[0]), the model's own
+    parameters (and views of them) excepted: the activation memory of a micro-batch, which bench.plan_memory
+    predicts. Activation checkpointing keeps its own inside checkpointed blocks, so with --grad-checkpointing
+    this counts only what checkpointing still stores."""
+    local = lambda q: q.to_local() if hasattr(q, "to_local") else q  # FSDP2: a DTensor's storage is its shard's
+    held, seen = [0], {local(q).untyped_storage().data_ptr() for q in model.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            held[0] += s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield held
 
 
 def micro_batches(rows):
@@ -357,18 +579,19 @@ def trim(idx, *tensors):
 
 @torch.no_grad()
 def forward_pass(model, what):
-    """logp (what='logp') or values (what='values') of this rank's share of kept rows, gathered."""
-    share = list(range(kept_rows))[rows_of_this_rank(kept_rows)]
-    res = torch.zeros(kept_rows, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
-    for mb in micro_batches(share):
+    """logp, entropy or values (what) of this rank's share of the rows of `batch` (a multiple of world), gathered."""
+    n = batch["tokens"].shape[0]
+    res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
+    for mb in micro_batches(list(range(n))[rows_of_this_rank(n)]):
         tokens, am = trim(mb, batch["tokens"], batch["attention_mask"])
         with autocast():
             if what == "values":
                 x = model(tokens, am)
             else:
-                x, _ = starpo.token_logprobs(model, tokens, am, temperature=args.temperature)
+                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy")
+                x = x[1] if what == "entropy" else x[0]
         res[mb, :x.shape[1]] = x.float()
-    if ddp:
+    if ddp and n:
         dist.all_reduce(res)  # each row is filled on exactly one rank, zeros elsewhere
     return res.cpu()
 
@@ -382,17 +605,41 @@ def git_commit():
 
 
 # ----------------------------------------------------------------------------- run directory and logging
+def clean_interrupted_checkpoint():
+    """Undo what a save_checkpoint killed half-way left behind; afterwards hf/ holds the weights of ckpt.pt.
+    save_checkpoint renames hf -> hf.old, hf.tmp -> hf, then ckpt.pt.tmp -> ckpt.pt (the commit): hf.old together
+    with ckpt.pt.tmp, or without hf, means the commit never happened, so hf.old is ckpt.pt's export."""
+    j = lambda name: os.path.join(args.out, name)
+    shutil.rmtree(j("hf.tmp"), ignore_errors=True)
+    if os.path.isdir(j("hf.old")):
+        if os.path.exists(j("ckpt.pt.tmp")) or not os.path.isdir(j("hf")):
+            if os.path.isdir(j("hf")):
+                os.rename(j("hf"), j("hf.tmp"))
+                shutil.rmtree(j("hf.tmp"))
+            os.rename(j("hf.old"), j("hf"))
+        else:
+            shutil.rmtree(j("hf.old"))
+    if os.path.exists(j("ckpt.pt.tmp")):  # last: while it exists, a rerun of this function redoes the above
+        os.remove(j("ckpt.pt.tmp"))
+
+
+def write_atomically(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 if master:
     os.makedirs(args.out, exist_ok=True)
+    clean_interrupted_checkpoint()
     import transformers
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(dict(vars(args), git_commit=git_commit(), world_size=world, torch=torch.__version__,
-                       transformers=transformers.__version__, python=platform.python_version(),
-                       cuda=torch.version.cuda), f, indent=1)
+    write_atomically(os.path.join(args.out, "args.json"), json.dumps(dict(
+        vars(args), git_commit=git_commit(), world_size=world, torch=torch.__version__,
+        transformers=transformers.__version__, python=platform.python_version(), cuda=torch.version.cuda), indent=1))
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if ckpt is not None and os.path.exists(metrics_path):  # drop lines a killed run wrote after its checkpoint
-        lines = [l for l in open(metrics_path) if json.loads(l)["step"] < start_step]
-        open(metrics_path, "w").writelines(lines)
+    if ckpt is not None and os.path.exists(metrics_path):  # drop the lines a killed run wrote after its checkpoint,
+        lines = open(metrics_path).read().split("\n")[:-1]  # and a partial last line (a kill while appending)
+        write_atomically(metrics_path, "".join(l + "\n" for l in lines if json.loads(l)["step"] < start_step))
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
 wandb_run = None
@@ -427,39 +674,49 @@ def validate(step, envs):
     """RAGEN's protocol: fixed seeds from --val-seed, groups of 1, temperature 0.5, every val preset."""
     m = {}
     for key in args.val_env:
-        out = run_rollout(key, args.val_groups, 1, args.val_seed, args.val_temperature, envs)
+        # in chunks of the training rollout's size, so the sampler's one static KV pool (sized by training) serves
+        # validation too; the noise is keyed by episode seed, so chunking changes no sampled token
+        chunk = rollout_groups * args.group_size
+        out = merge_rows([run_rollout([(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0, args.val_temperature,
+                                      envs, "validation")[0] for g0 in range(0, args.val_groups, chunk)])
         m.update(env_metrics(out, f"val-env/{key}", 1))
-        if step % max(args.log_trajectories_every, 1) == 0:
+        if args.log_trajectories_every and step % args.log_trajectories_every == 0:
             dump_trajectories(out, f"val-{key}-step{step:05d}.jsonl")
     return m
 
 
 def save_checkpoint(step):
-    """Atomic: write to a temporary file, then rename. Also exports a plain HF directory <out>/hf."""
+    """ckpt.pt and a plain HF directory <out>/hf, both written under temporary names and renamed in: hf first,
+    ckpt.pt last (the commit). Killed at any instant, the previous checkpoint stays whole, hf/ is ahead of ckpt.pt
+    for at most one rename, and clean_interrupted_checkpoint() puts it back; a failed write stops the run."""
     actor_sd, actor_osd = full_state(actor, opt)
     critic_sd, critic_osd = full_state(critic, critic_opt) if critic is not None else (None, None)
     if not master:
         return
     state = dict(step=step, args={k: v for k, v in vars(args).items()}, actor=actor_sd, actor_opt=actor_osd,
                  critic=critic_sd, critic_opt=critic_osd, torch_rng=torch.get_rng_state(), monitor=monitor)
-    tmp = os.path.join(args.out, "ckpt.pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, os.path.join(args.out, "ckpt.pt"))
-    export = copy.deepcopy(rollout_model).float()  # a plain (unsharded) model to hold the full weights
-    export.load_state_dict(actor_sd)
-    hf_tmp, hf_dir = os.path.join(args.out, "hf.tmp"), os.path.join(args.out, "hf")
-    export.save_pretrained(hf_tmp)
-    tok.save_pretrained(hf_tmp)
-    if os.path.exists(hf_dir):
-        os.rename(hf_dir, hf_dir + ".old")
-    os.replace(hf_tmp, hf_dir)
-    if os.path.exists(hf_dir + ".old"):
-        import shutil
-        shutil.rmtree(hf_dir + ".old")
+    j = lambda name: os.path.join(args.out, name)
+    try:
+        clean_interrupted_checkpoint()
+        torch.save(state, j("ckpt.pt.tmp"))
+        if args.lora_rank:
+            export = lora_export(actor_sd, os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
+        else:
+            export = copy.deepcopy(rollout_model).float()  # a plain (unsharded) model to hold the full weights
+            export.load_state_dict(actor_sd)
+        export.save_pretrained(j("hf.tmp"))
+        tok.save_pretrained(j("hf.tmp"))
+        if os.path.isdir(j("hf")):
+            os.rename(j("hf"), j("hf.old"))
+        os.rename(j("hf.tmp"), j("hf"))
+        os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
+        shutil.rmtree(j("hf.old"), ignore_errors=True)
+    except OSError as e:
+        die(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}")
 
 
 # collapse indicators (paper Fig. 6): in-group reward std and entropy falling far below their early
-# level, or a grad-norm spike, are announced and recorded
+# level, or a grad-norm spike, are announced and recorded; so is RAGEN-2's prompt-reasoning MI falling
 monitor = ckpt["monitor"] if ckpt is not None else {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
 
 
@@ -477,10 +734,43 @@ def collapse_warnings(m):
     g = monitor["grad_norms"]
     if len(g) >= 5 and m.get("actor/grad_norm", 0) > 10 * sorted(g)[len(g) // 2]:
         warn.append(f"actor grad norm {m['actor/grad_norm']:.3g} is over 10x its running median")
+    mi = m.get("collapse/first_turn/mi")
+    if mi is not None and not monitor.get("early_mi"):  # the first positive measurement is the reference
+        monitor["early_mi"] = mi if mi > 0 else None
+    elif mi is not None and mi < 0.1 * monitor["early_mi"]:
+        warn.append(f"prompt-reasoning mutual information {mi:.3g} fell below 10% of its first value "
+                    f"{monitor['early_mi']:.3g}: the responses stopped depending on the prompt")
     if math.isfinite(m.get("actor/grad_norm", float("nan"))):
         g.append(m["actor/grad_norm"])
         del g[:-50]
     return warn
+
+
+def stop_reason(m):
+    """RAGEN-2's stops (agent_trainer.fit), as (metric name, message) or None. Always: --empty-stop-steps steps in a
+    row with nothing to train. With --early-stop: the in-group reward std of 10 consecutive steps all under 10% of
+    its mean over the first 10 non-empty steps; or a val-env success under 0.01 at 5 validations in a row."""
+    empty = m["train/batch_size"] == 0
+    monitor["empty_streak"] = monitor.get("empty_streak", 0) + 1 if empty else 0
+    m["rollout/consecutive_empty_steps"] = monitor["empty_streak"]
+    if empty:
+        print0(f"step {step}: nothing to train after filtering, step skipped ({monitor['empty_streak']} in a row)")
+    if args.empty_stop_steps and monitor["empty_streak"] >= args.empty_stop_steps:
+        return "empty_filtered_steps", f"{monitor['empty_streak']} steps in a row had nothing to train after filtering"
+    if not args.early_stop:
+        return None
+    stds = monitor.setdefault("nonempty_std", [])  # in-group reward std of every non-empty step
+    stds += [] if empty else [m["rollout/in_group_std"]]
+    if not empty and starpo.std_collapsed(stds):
+        return "reward_variance_collapse", (f"in-group reward std under 10% of its first-10-step mean "
+                                            f"{sum(stds[:10]) / 10:.3g} for 10 steps in a row")
+    low = monitor.setdefault("low_val_success", {})
+    for k, v in m.items():
+        if k.startswith("val-env/") and k.endswith("/success"):
+            low[k] = low.get(k, 0) + 1 if v < 0.01 else 0
+            if low[k] >= 5:
+                return "low_validation_success", f"{k} under 0.01 at 5 validations in a row"
+    return None
 
 
 # ----------------------------------------------------------------------------- the StarPO loop
@@ -488,6 +778,7 @@ from tqdm import tqdm
 
 train_envs, val_envs = {}, {}
 bar = tqdm(range(start_step, args.steps), disable=not master, initial=start_step, total=args.steps, dynamic_ncols=True)
+stop = None  # (metric name, message) of an early stop
 for step in bar:
     t_step = time.time()
     timing, m = {}, {"step": step}
@@ -496,52 +787,90 @@ for step in bar:
         m.update(validate(step, val_envs))
         timing["val"] = time.time() - t0
 
-    # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter)
+    # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
+    #    take their groups in --env order, each logged under its own name
     t0 = time.time()
-    out = run_rollout(args.env, rollout_groups, args.group_size, args.seed + step * rollout_groups,
-                      args.temperature, train_envs)
+    outs = run_rollout([(e, n * args.online_k) for e, n in args.env_mix], args.group_size,
+                       args.seed + step * rollout_groups, args.temperature, train_envs)
     timing["rollout"] = time.time() - t0
-    m.update(env_metrics(out, f"train/{args.env}", args.group_size))
+    for (e, _), o in zip(args.env_mix, outs):
+        m.update(env_metrics(o, f"train/{e}", args.group_size))
+    out = merge_rows(outs)
     if args.log_trajectories_every and step % args.log_trajectories_every == 0:
         dump_trajectories(out, f"train-step{step:05d}.jsonl")
+    # RAGEN-2, before filtering; it reads one row per episode, so not in the one-row-per-turn modes (yet)
+    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and args.context_window_mode == "full":
+        t0 = time.time()
+        phase("collapse diagnostics")
+        m.update(collapse_metrics(out, step))
+        timing["collapse"] = time.time() - t0
 
-    # 2. scores -> normalisation -> StarPO-S variance filter (whole groups; RAGEN _filter_rollout)
+    # 2. scores -> normalisation -> filter whole groups (StarPO-S _filter_rollout, RAGEN-2 rollout_filter.py) ->
+    #    rows of the kept episodes, copied or dropped to a multiple of the mini-batch (RAGEN-2 adjust_batch)
     t0 = time.time()
-    scores = out["scores"].float()  # [N] sum of turn rewards + format penalty
+    scores = out["scores"].float()  # [N] per episode: sum of turn rewards + format penalty
     if not args.turn_rewards:
         scores = starpo.normalize_scores(scores, args.group_size, args.reward_norm_grouping, args.reward_norm)
-    keep, fstats = starpo.filter_groups(scores, args.group_size, args.filter_ratio, args.filter_type)  # [N] bool
+    ep = out["episode"]  # [R] episode of each row (R = N, except one row per turn under --context-window-mode)
+    ranked = scores      # [N] what the filter ranks
+    if args.filter_metric in ("length", "entropy", "entropy_std"):  # per episode: summed response tokens, or the mean
+        if args.filter_metric == "length":                          # over its rows of a row's mean token entropy
+            per_row = out["loss_mask"].sum(1).float()  # [R]
+        else:  # the actor's entropy (RAGEN-2 EntropyRolloutFilter); rows padded to a multiple of world for FSDP
+            batch = {k: out[k][torch.arange(len(ep) + (-len(ep)) % world).clamp(max=max(len(ep) - 1, 0))]
+                     for k in ("tokens", "attention_mask")}
+            per_row = (forward_pass(actor, "entropy")[:len(ep)] * out["loss_mask"]).sum(1) / out["loss_mask"].sum(1).clamp(min=1)
+        ranked = torch.zeros(len(scores)).index_add_(0, ep, per_row)
+        if args.filter_metric != "length":
+            ranked = ranked / torch.bincount(ep, minlength=len(scores)).clamp(min=1)
+    keep, fstats = starpo.filter_groups(ranked, args.group_size, args.filter_ratio, filter_kind, args.filter_strategy,
+                                        not args.filter_drop_zero, args.filter_top_p_mode, args.filter_eps)  # [N] bool
+    if ranked is not scores:  # the ranked metric under its own name; rollout/in_group_* stay the reward's
+        m.update({f"rollout/{args.filter_metric}/{k}": v for k, v in fstats.items()})
+        fstats = {k: v for k, v in starpo.filter_groups(scores, args.group_size, 1.0)[1].items() if not k.startswith("chosen")}
     m.update({f"rollout/{k}": v for k, v in fstats.items()})
-    m["rollout/kept_fraction"] = keep.float().mean().item()
-    idx = keep.nonzero().squeeze(1)                                       # [K] kept rows, group order
+    m["rollout/kept_fraction"] = kept_ratio = keep.float().mean().item()  # RAGEN-2 filter_kept_ratio
+    idx = keep[ep].nonzero().squeeze(1)                                   # [K0] rows of the kept episodes, in order
+    m["rollout/empty_after_filter"], m["train/real_batch_size"] = float(len(idx) == 0), len(idx)
+    g = torch.Generator().manual_seed(args.seed * 100003 + step)          # the same draw on every rank, and on resume
+    idx = idx[starpo.adjust_rows(len(idx), row_multiple, args.batch_adjust, g)]  # [K] a no-op for a fixed top_k count
+    m["train/empty_after_adjust"], m["train/batch_size"] = float(len(idx) == 0 and m["train/real_batch_size"] > 0), len(idx)
     batch = {k: out[k][idx] for k in ("tokens", "attention_mask", "loss_mask", "old_logp")}
+    batch_ep = ep[idx]                                                    # [K] episode of each kept row
     K, T = batch["tokens"].shape
-    assert K == kept_rows
     mask = batch["loss_mask"].float()                                     # [K, T] tokens the policy sampled
     rewards = torch.zeros(K, T)                                           # [K, T] reward on action tokens
-    for i, r in enumerate(idx.tolist()):
-        if args.turn_rewards:  # use_turn_scores: each turn's reward on its last sampled token
-            for pos, rew in zip(out["turn_ends"][r], out["turn_rewards"][r]):
+    for i, (r, e) in enumerate(zip(idx.tolist(), batch_ep.tolist())):
+        if args.turn_rewards:  # use_turn_scores: each turn's reward on its last sampled token (rows = episodes)
+            for pos, rew in zip(out["turn_ends"][r], out["turn_rewards"][e]):
                 rewards[i, pos] += rew
-        else:  # RAGEN default: the (normalised) trajectory score on the last trained token
+        else:  # RAGEN default: the (normalised) episode score on the row's last trained token
             if mask[i].any():  # a row with no sampled token (context overflow at turn 1) has nothing to train
-                rewards[i, int(mask[i].nonzero().max())] = scores[r]
+                rewards[i, int(mask[i].nonzero().max())] = scores[e]
     timing["filter"] = time.time() - t0
 
     # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
     t0 = time.time()
     sampler_logp = batch["old_logp"]
     if args.old_logp == "recompute":
+        phase("old log-probs")
         batch["old_logp"] = forward_pass(actor, "logp") * mask
         m["rollout/sampler_logp_abs_diff"] = ((sampler_logp - batch["old_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
     timing["old_logp"] = time.time() - t0
     t0 = time.time()
+    if ref is not None or critic is not None or args.kl_coef > 0:
+        phase("reference log-probs and values")
     ref_logp = forward_pass(ref, "logp") * mask if ref is not None else None
+    if args.kl_coef > 0 and args.lora_rank:  # LoRA: the reference is the base model = the actor with its adapter off
+        actor.disable_adapters()             # (peft's disable_adapter, without a second copy of the weights)
+        ref_logp = forward_pass(actor, "logp") * mask
+        actor.enable_adapters()
     values = forward_pass(critic, "values") * mask if critic is not None else None
     timing["ref_values"] = time.time() - t0
 
-    # 4. advantages: GAE over action tokens (PPO) or the group-normalised score on every token (GRPO)
+    # 4. advantages: GAE over action tokens (PPO), REINFORCE++ returns, or one advantage per episode from its group
     t0 = time.time()
+    returns = None
     if args.algo == "ppo":
         if args.bi_level_gae:
             adv, returns = starpo.bi_level_gae(rewards, values, mask, args.gamma, args.lam, args.high_level_gamma)
@@ -549,21 +878,36 @@ for step in bar:
             adv, returns = starpo.gae_advantages(rewards, values, mask, args.gamma, args.lam)
         adv = starpo.masked_whiten(adv, mask)  # veRL whitens GAE advantages over the batch's action tokens
         m["critic/explained_variance"] = float(starpo.explained_variance(values, returns, mask))
-    else:  # RAGEN's GRPO: unique uids, so the advantage is the normalised score broadcast over the turn tokens
-        adv = rewards.sum(1, keepdim=True) * mask if not args.turn_rewards else rewards.flip(1).cumsum(1).flip(1) * mask
-        returns = None
+    elif args.algo == "reinforce_pp":
+        adv, _ = starpo.reinforce_pp_advantages(rewards, mask, args.gamma)
+    elif args.turn_rewards:  # grpo with use_turn_scores: veRL's GRPO sums the token rewards and broadcasts the sum to
+        adv = rewards.sum(1, keepdim=True) * mask  # every token (RAGEN's uids are unique: groups of one, mean 0, std 1)
+    else:  # grpo, drgrpo, rloo, reinforce_pp_baseline on the kept episodes, each counted once however many rows it
+        # has (RAGEN-2 dedups (uid, episode) for GRPO). With grpo's default --reward-norm mean_std the scores are
+        # already group-normalised and this is the identity up to eps; RAGEN-2 runs it on --reward-norm identity
+        eps_kept, row_of = batch_ep.unique(return_inverse=True)  # [E] kept episodes, [K] each row's place in them
+        adv = starpo.group_advantages(scores[eps_kept], out["group"][eps_kept], args.algo)[row_of][:, None] * mask
+        if args.algo == "reinforce_pp_baseline":  # veRL then whitens over the batch's tokens
+            adv = starpo.masked_whiten(adv, mask)
+    if args.filter_loss_scaling != "none":  # RAGEN-2 filter_loss_scaling: damp the update by the kept group fraction
+        adv = adv * (kept_ratio if args.filter_loss_scaling == "linear" else math.sqrt(kept_ratio))
     timing["adv"] = time.time() - t0
 
     # 5. PPO updates: ppo_epochs x mini-batches of --mini-batch-size rows, this rank's share of each
     t0 = time.time()
     acc = {}
+    actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
+    if critic is not None:
+        critic.train()
     minibatches = [list(range(s, s + args.mini_batch_size)) for s in range(0, K, args.mini_batch_size)]
     for epoch in range(args.ppo_epochs):
-        for mb_rows in minibatches:
+        for i, mb_rows in enumerate(minibatches):
+            phase(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
             mine = mb_rows[rows_of_this_rank(len(mb_rows))]
             n_tok = mask[mb_rows].sum().item()  # global token / row counts of this mini-batch (known on every rank)
             counts = dict(token_count=n_tok, seq_count=len(mb_rows))
             nan_now = step == args.inject_nan
+            part = {}  # loss terms of this mini-batch: every micro-batch's is already divided by the global count
             # critic
             if critic is not None:
                 critic_opt.zero_grad(set_to_none=True)
@@ -573,7 +917,7 @@ for step in bar:
                         v = critic(tokens, am)
                     vf_loss, vm = starpo.value_loss(v.float(), mold, mret, mmask, args.value_clip, args.loss_agg, **counts)
                     (vf_loss * world).backward()  # FSDP averages gradients over ranks; the count is already global
-                    acc.setdefault("critic/vf_loss", []).append(vf_loss.item())
+                    part["critic/vf_loss"] = part.get("critic/vf_loss", 0.0) + vf_loss.item()
                     for k, x in vm.items():
                         acc.setdefault(f"critic/{k}", []).append(float(x))
                 gn = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
@@ -585,8 +929,9 @@ for step in bar:
             opt.zero_grad(set_to_none=True)
             for mb in micro_batches(mine):
                 tokens, am, mmask, madv, mold = trim(mb, batch["tokens"], batch["attention_mask"], mask, adv, batch["old_logp"])
-                with autocast():
+                with autocast(), saved_bytes(actor) as held:
                     logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True)
+                acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
                 logp, ent = logp.float(), ent.float()
                 pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
                                                  args.dual_clip, args.loss_agg, **counts)
@@ -597,12 +942,12 @@ for step in bar:
                     kl = starpo.kl_penalty(logp, mref, args.kl_type)
                     kl_loss = starpo.aggregate(kl, mmask, args.loss_agg, **counts)
                     loss = loss + args.kl_coef * kl_loss
-                    acc.setdefault("actor/kl_loss", []).append(kl_loss.item())
+                    part["actor/kl_loss"] = part.get("actor/kl_loss", 0.0) + kl_loss.item()
                 if nan_now:
                     loss = loss * float("nan")
                 (loss * world).backward()
-                acc.setdefault("actor/pg_loss", []).append(pg_loss.item())
-                acc.setdefault("actor/entropy", []).append((ent * mmask).sum().item() / max(mmask.sum().item(), 1))
+                part["actor/pg_loss"] = part.get("actor/pg_loss", 0.0) + pg_loss.item()
+                part["actor/entropy"] = part.get("actor/entropy", 0.0) + (ent * mmask).sum().item() / max(n_tok, 1)
                 for k, x in pm.items():
                     acc.setdefault(f"actor/{k}", []).append(float(x))
             gn = torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
@@ -614,7 +959,12 @@ for step in bar:
                 opt.zero_grad(set_to_none=True)
                 monitor["skipped"] += 1
                 print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
-    m.update(all_reduce_mean({k: sum(v) / len(v) for k, v in acc.items()}))
+            for k, x in part.items():  # x * world: all_reduce_mean below then sums the ranks' partials
+                acc.setdefault(k, []).append(x * world)
+    actor.eval()
+    if critic is not None:
+        critic.eval()
+    m.update(all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()}))
     m["actor/skipped_updates"] = monitor["skipped"]
     m["actor/lr"] = args.lr
     timing["update"] = time.time() - t0
@@ -632,18 +982,46 @@ for step in bar:
     m["warnings"] = collapse_warnings(m)
     for w in m["warnings"]:
         print0(f"step {step}: WARNING {w}")
+    stop = stop_reason(m)
+    if stop:
+        m[f"early_stopped/{stop[0]}"] = 1.0
     log(m)
     bar.set_postfix_str(f"score {m[f'train/{args.env}/score']:.3f} succ {m[f'train/{args.env}/success']:.2f} "
                         f"std {m['rollout/in_group_std']:.3f} ent {m.get('actor/entropy', 0):.3f} "
                         f"gn {m.get('actor/grad_norm', 0):.2f} {timing['step']:.1f}s")
-    if step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+    if stop or step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+        phase("checkpoint")
         save_checkpoint(step)
+    if stop:
+        print0(f"step {step}: stopping early: {stop[1]} (checkpoint in {args.out})")
+        break
 
-if args.val_every > 0 and start_step < args.steps:  # RAGEN also validates after the last update
+if args.val_every > 0 and not stop:  # RAGEN also validates after the last update (again on a resume at the end)
     t0 = time.time()
+    print0(f"final validation: {args.val_env}, {args.val_groups} seeds each")
     m = {"step": args.steps, **validate(args.steps, val_envs), "timing_s/val": time.time() - t0}
     log(m)
-    print0(" | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.endswith("/success")))
+
+if master:  # what moved on the held-out validation seeds, where the run's files are, what to run next
+    o, key = args.out, f"val-env/{args.val_env[0]}/success"
+    vals = [v for v in map(json.loads, open(os.path.join(o, "metrics.jsonl"))) if key in v]
+    if len(vals) > 1:
+        a, b = vals[0], vals[-1]
+        ok = lambda v, e: 1 - v[f"val-env/{e}/format_errors"] / max(v[f"val-env/{e}/num_turns"], 1e-9)
+        print(f"\nheld-out validation, {args.val_groups} seeds per preset, step {a['step']} -> {b['step']}:")
+        for e in args.val_env:
+            print(f"  {e}: success {a[f'val-env/{e}/success']:.3f} -> {b[f'val-env/{e}/success']:.3f} | score "
+                  f"{a[f'val-env/{e}/score']:.3f} -> {b[f'val-env/{e}/score']:.3f} | format-valid turns "
+                  f"{ok(a, e):.3f} -> {ok(b, e):.3f}")
+    plot = None
+    if args.demo and importlib.util.find_spec("matplotlib"):
+        from eval import plot_run
+        plot = plot_run(o)
+    print(f"\nrun directory {o}:\n  metrics.jsonl   one line of metrics per step; curves: {plot or f'python eval.py --plot {o}'}\n"
+          f"  *.jsonl         sample trajectories, every --log-trajectories-every {args.log_trajectories_every} steps")
+    if os.path.isdir(os.path.join(o, "hf")):
+        print(f"  hf/             the trained model as an HF directory; ckpt.pt continues it (--resume {o}, same flags)\n"
+              f"next: python eval.py --model {o}    # the run's val presets {args.val_env} on 256 held-out seeds", flush=True)
 
 if wandb_run is not None:
     wandb_run.finish()
