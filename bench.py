@@ -89,6 +89,31 @@ def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens):
     return rows
 
 
+def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, rounds=3):
+    """What a context window costs (rollout's max_context_window): when a window drops a turn the KV-cache row is
+    prefilled again from slot 0. Prefilled tokens are exact; times are the min of interleaved rounds."""
+    from env_sokoban import PRESETS, SokobanEnv
+    preset = PRESETS["SimpleSokoban"]
+    seeds = [i // group_size for i in range(batch)]
+    run = lambda **kw: rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset,
+                                       group_size=group_size, max_turns=turns, max_new_tokens=turn_tokens, sample_seed=0, **kw)
+    cfgs = {"full, KV kept": {}, "full, re-prefill every turn": dict(kv_reuse=False),
+            f"limited_multi_turn, window {window}": dict(window=window, window_mode="limited_multi_turn"),
+            f"limited_multi_turn, window {window}, re-prefill": dict(window=window, window_mode="limited_multi_turn", kv_reuse=False),
+            f"single_turn, window {window}": dict(window=window, window_mode="single_turn")}
+    best, outs = {}, {}
+    for _ in range(rounds):
+        for name, kw in cfgs.items():
+            t = time.perf_counter()
+            outs[name] = run(**kw)
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    for name, out in outs.items():
+        st = out["stats"]
+        print(f"{name:40s} {best[name]:7.2f} s  prefilled {int(st['prefill_tokens'].sum()):6d} tok  sampled "
+              f"{int(st['response_tokens'].sum()):5d} tok  row rebuilds {int(st['context_rebuilds'].sum()):3d}  rows {len(out['episode'])}")
+    return best, outs
+
+
 def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
     """Decode-only tokens/s at a given context, and its fraction of the memory-bandwidth floor
     (PERF_AND_PEERS.md 2.2: weights except the input embedding + every row's K/V read once per step)."""
@@ -269,7 +294,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "decode", "envs"], help="which measurement")
+    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "window", "decode", "envs"],
+                        help="which measurement (window: the KV-row rebuilds of a context window; not in all)")
     parser.add_argument("--plan", action="store_true", help="print the memory plan of the paper's config on 24 GB, 1 and 8 H100s")
     parser.add_argument("--dry-run", type=int, default=0, metavar="LAYERS", help="one train.py step on the Qwen2.5-0.5B "
                         "shape cut to LAYERS layers (24 = the real depth)")
@@ -314,6 +340,8 @@ if __name__ == "__main__":
         time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0)
     if tok is not None and args.only in ("all", "kv"):
         time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
+    if tok is not None and args.only == "window":
+        time_windows(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
     if args.only == "decode" or (args.only == "all" and args.device.startswith("cuda")):
         time_decode_floor(model, args.batch, args.prompt_len, args.new_tokens, args.device, args.bandwidth)
     if tok is None and args.only in ("all", "sampler"):  # the random-weight model: HF generate on random prompts

@@ -1765,6 +1765,14 @@ def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
     assert a["critic/vf_loss"] > 0
 
 
+
+def test_inductive_reward_norm_runs_on_mixed_presets(tmp_path):
+    # --reward-norm-grouping inductive used to crash: train.py never passed the env tags normalize_scores needs
+    out = str(tmp_path / "ind")
+    run_train(*TINY, "--env", "bandit:1", "frozenlake:1", "--algo", "grpo", "--reward-norm", "mean",
+              "--reward-norm-grouping", "inductive", "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--out", out)
+    assert math.isfinite(read_metrics(out)[0]["actor/pg_loss"])
+
 def test_grad_checkpointing_runs_and_holds_fewer_activations(tmp_path):
     # defect 6: models came back from load_model in eval mode, where HF skips checkpointing; the update now runs in
     # train mode, and the bytes autograd holds for backward (perf/actor_saved_activations_mb) must drop

@@ -810,7 +810,8 @@ for step in bar:
     t0 = time.time()
     scores = out["scores"].float()  # [N] per episode: sum of turn rewards + format penalty
     if not args.turn_rewards:
-        scores = starpo.normalize_scores(scores, args.group_size, args.reward_norm_grouping, args.reward_norm)
+        tags = [e for (e, _), o in zip(args.env_mix, outs) for _ in range(len(o["scores"]))]  # inductive: the env tag
+        scores = starpo.normalize_scores(scores, args.group_size, args.reward_norm_grouping, args.reward_norm, tags)
     ep = out["episode"]  # [R] episode of each row (R = N, except one row per turn under --context-window-mode)
     ranked = scores      # [N] what the filter ranks
     if args.filter_metric in ("length", "entropy", "entropy_std"):  # per episode: summed response tokens, or the mean
