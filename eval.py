@@ -199,7 +199,7 @@ def evaluate(args):
 PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
           ("score (reward)", ["train/*/score", "val-env/*/score"]),
           ("in-group reward std", ["rollout/in_group_std", "rollout/chosen_in_group_std"]),
-          ("entropy", ["actor/entropy"]),
+          ("entropy; RAGEN-2 H(Z|X) per token", ["actor/entropy", "collapse/*/cond_entropy"]),
           ("grad norm", ["actor/grad_norm", "critic/grad_norm"]),
           ("tokens per episode", ["train/*/response_tokens", "train/*/think_tokens"]),
           ("kept fraction", ["rollout/kept_fraction"]),
