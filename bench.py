@@ -193,7 +193,7 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   rms_norm_eps=1e-6)
 
 
-def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True, ckpt=False, chunk=256):
+def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True, ckpt=False, chunk=1024):
     """Expected bytes per rank by part. cfg: an HF config; rows: trajectories rolled out per step (all ranks);
     micro: rows per forward/backward; seq: the longest conversation (--max-context)."""
     d, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
@@ -217,7 +217,7 @@ def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=F
         recompute=(per_tok * tokens + (2 * layer if bf16 else 0)) if ckpt else 0,  # ckpt: one layer rebuilt in backward
         # autocast's bf16 copies held to backward (checkpointed layers recast theirs); FSDP2: bf16 root + 2 blocks
         weight_casts=0 if not bf16 else 2 * (embed + 2 * layer) if world > 1 else 2 * embed if ckpt else 2 * P,
-        logprob_chunk=4 * micro * min(chunk, seq) * V * 4,      # logits, log_softmax, probs, p*logp of one chunk, fp32
+        logprob_chunk=4 * min(chunk, micro * seq) * V * 4,      # logits, log_softmax, probs, p*logp of one chunk, fp32
     )
     part["total"] = sum(part.values())
     return part

@@ -344,45 +344,50 @@ def entropy(logits, mask, chunk=1024):
 # ----------------------------------------------------------------------------- log-probs from a model
 
 def _chunk_logprobs(lm_head, hidden, targets, temperature, with_entropy):
-    logits = lm_head(hidden).float() / temperature  # [B, c, V] fp32, one chunk only
-    logp_all = torch.log_softmax(logits, dim=-1)  # [B, c, V]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, c]
-    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)  # [B, c]
+    logits = lm_head(hidden).float() / temperature  # [c, V] fp32, one chunk only
+    logp_all = torch.log_softmax(logits, dim=-1)  # [c, V]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [c]
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)  # [c]
     return logp, ent
 
-def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, with_entropy=False):
+def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=1024, with_entropy=False, mask=None):
     """Log-probs [B, T] of `tokens` under an HF causal LM with logits / temperature (veRL does the same,
     RAGEN_SPEC 4.1), and the entropies [B, T] of that same distribution if asked (else None).
     Alignment: logp[:, t] = log p(tokens[:, t] | tokens[:, :t]), from the logits at position t-1;
-    logp[:, 0] = 0 and padding positions are 0. The same layout as rollout's old_logp.
+    logp[:, 0] = 0, and so is every position outside `mask` (default: the attention mask). Callers pass
+    the loss mask, the tokens the policy sampled: the layout of rollout's old_logp.
 
-    Memory: the model runs once through `model(...)` with logits_to_keep=1 (one position of logits)
-    and output_hidden_states=True; hidden_states[-1] is the final-norm output, so lm_head +
-    log_softmax run here over `chunk` positions at a time and no [B, T, V] fp32 tensor ever exists.
-    Under autograd each chunk is activation-checkpointed (recomputed in backward), or backward would
-    keep every chunk's [B, c, V] softmax alive. We call the root `model(...)` rather than `model.model`
-    so that FSDP2's root pre-forward hook unshards the root's parameters (embeddings, final norm,
-    lm_head); lm_head is then used after the forward, which relies on FSDP2 keeping the root unsharded
-    after forward (its default, reshard_after_forward=None -> False for the root). Cost: in no_grad the
-    per-layer hidden states ([L, B, T, H], small next to [B, T, V]) live until the forward ends."""
+    Cost: the model runs once through `model(...)` with logits_to_keep=1 (one position of logits) and
+    output_hidden_states=True; hidden_states[-1] is the final-norm output. Only the N positions in `mask`
+    are gathered ([N, H]) and go through lm_head + log_softmax, `chunk` positions at a time, so no
+    [B, T, V] fp32 tensor ever exists. In a multi-turn row most tokens are the prompt and the
+    environment's observations: on Qwen2.5-0.5B's shape lm_head is 896 x 151,936 = 136M multiply-adds per
+    position against ~360M for the 24 layers, so skipping the unsampled positions saves that share of the
+    FLOPs and [c, V] logits traffic for each of them. Under autograd each chunk is activation-checkpointed
+    (recomputed in backward), or backward would keep every chunk's [c, V] softmax alive. An empty mask still
+    runs one empty chunk, so lm_head gets a (zero) gradient on every rank. We call the root `model(...)`
+    rather than `model.model` so that FSDP2's root pre-forward hook unshards the root's parameters
+    (embeddings, final norm, lm_head); lm_head is then used after the forward, which relies on FSDP2
+    keeping the root unsharded after forward (its default, reshard_after_forward=None -> False for the
+    root). In no_grad the per-layer hidden states ([L, B, T, H], small next to [B, T, V]) live until the
+    forward ends."""
     out = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
                 output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, :-1]  # [B, T-1, H] position t-1 predicts token t
+    keep = attention_mask[:, 1:].bool() & (True if mask is None else mask[:, 1:].bool())  # [B, T-1] wanted
+    hidden, targets = out.hidden_states[-1][:, :-1][keep], tokens[:, 1:][keep]  # [N, H], [N]: t-1 predicts t
     del out
-    lm_head, targets = model.get_output_embeddings(), tokens[:, 1:]  # targets [B, T-1]
-    use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
+    lm_head, use_ckpt = model.get_output_embeddings(), torch.is_grad_enabled() and hidden.requires_grad
     logps, ents = [], []
-    for s in range(0, hidden.shape[1], chunk):
-        args = (lm_head, hidden[:, s:s + chunk], targets[:, s:s + chunk], temperature, with_entropy)
-        if use_ckpt:  # recompute this chunk's [B, c, V] in backward instead of keeping it
+    for s in range(0, max(len(hidden), 1), chunk):
+        args = (lm_head, hidden[s:s + chunk], targets[s:s + chunk], temperature, with_entropy)
+        if use_ckpt:  # recompute this chunk's [c, V] in backward instead of keeping it
             lp, en = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, en = _chunk_logprobs(*args)
         logps.append(lp)
         ents.append(en)
-    valid = attention_mask[:, 1:].to(torch.float32)  # [B, T-1]
-    pad = lambda x: F.pad((torch.cat(x, dim=1) if x else valid) * valid, (1, 0))  # [B, T], column 0 = 0
-    return pad(logps), (pad(ents) if with_entropy else None)
+    put = lambda x: F.pad(torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(x)), (1, 0))
+    return put(logps), (put(ents) if with_entropy else None)  # [B, T], column 0 = 0
 
 # ----------------------------------------------------------------------------- collapse diagnostics (RAGEN-2)
 

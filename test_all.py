@@ -268,10 +268,11 @@ def test_frozenlake_rules():
     assert set(ends) == {"P___", "_P__"} and abs(ends.count("P___") / 600 - 2 / 3) < 0.08
 
 
-def test_frozenlake_slip_frequencies():
-    env, counts = FrozenLakeEnv(), [0, 0, 0]  # executed = intended - 1, intended, intended + 1 (mod 4)
-    moves = [(0, -1), (1, 0), (0, 1), (-1, 0)]
-    for seed in range(6000):
+def slip_counts(env, seeds):
+    """From a random start with all three outcomes inside the lake, one move: how often the player went
+    intended - 1, intended, intended + 1 (mod 4) of the action order Left, Down, Right, Up."""
+    counts, moves = [0, 0, 0], [(0, -1), (1, 0), (0, 1), (-1, 0)]
+    for seed in range(seeds):
         env.reset(seed)
         r, c = env.pos
         inside = [a for a in range(4) if all(0 <= r + moves[b][0] < 4 and 0 <= c + moves[b][1] < 4
@@ -280,8 +281,12 @@ def test_frozenlake_slip_frequencies():
             continue
         a = inside[seed % len(inside)]
         env.step(["Left", "Down", "Right", "Up"][a])
-        k = [(r + moves[b][0], c + moves[b][1]) for b in ((a - 1) % 4, a, (a + 1) % 4)].index(env.pos)
-        counts[k] += 1
+        counts[[(r + moves[b][0], c + moves[b][1]) for b in ((a - 1) % 4, a, (a + 1) % 4)].index(env.pos)] += 1
+    return counts
+
+
+def test_frozenlake_slip_frequencies():
+    counts = slip_counts(FrozenLakeEnv(), 6000)
     n = sum(counts)
     assert n > 3000 and all(abs(k / n - 1 / 3) < 4 * math.sqrt(2 / 9 / n) for k in counts), counts
 
@@ -1026,7 +1031,15 @@ def test_token_logprobs_chunked_equals_full_log_softmax(tiny_llama):
             assert lp.shape == (3, 13) and close(lp, ref_lp) and close(ent, ref_ent)
         lp, ent = starpo.token_logprobs(tiny_llama, tokens, am, chunk=4)
         assert ent is None and close(lp, reference_logprobs(tiny_llama, tokens, am, 1.0)[0])
-    assert (lp[:, 0] == 0).all() and (lp[1, 9:] == 0).all()
+        assert (lp[:, 0] == 0).all() and (lp[1, 9:] == 0).all()
+        # a loss mask: only its positions go through lm_head, the rest are 0; an empty one gives zeros
+        sub = torch.rand(3, 13) < 0.5
+        want = torch.nn.functional.pad(sub[:, 1:] & am[:, 1:].bool(), (1, 0))
+        for chunk in (2, 64):
+            lp, ent = starpo.token_logprobs(tiny_llama, tokens, am, temperature=0.7, chunk=chunk, with_entropy=True, mask=sub)
+            assert close(lp, ref_lp * want) and close(ent, ref_ent * want) and (lp[~want] == 0).all()
+        lp, ent = starpo.token_logprobs(tiny_llama, tokens, am, with_entropy=True, mask=torch.zeros_like(sub))
+        assert (lp == 0).all() and (ent == 0).all()
 
 
 def test_token_logprobs_gradients_match_unchunked(tiny_llama):
@@ -1045,6 +1058,13 @@ def test_token_logprobs_gradients_match_unchunked(tiny_llama):
     g_ref = grads(lambda: reference_logprobs(tiny_llama, tokens, am, 1.0))
     g_chunk = grads(lambda: starpo.token_logprobs(tiny_llama, tokens, am, chunk=3, with_entropy=True))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_ref, g_chunk))
+    sub = torch.rand(2, 11) < 0.5  # a loss mask: the gradient of the masked positions only
+    sub[:, 5] = True
+    g_ref = grads(lambda: [x * sub for x in reference_logprobs(tiny_llama, tokens, am, 1.0)])
+    g_mask = grads(lambda: starpo.token_logprobs(tiny_llama, tokens, am, chunk=3, with_entropy=True, mask=sub))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_ref, g_mask))
+    g_none = grads(lambda: starpo.token_logprobs(tiny_llama, tokens, am, with_entropy=True, mask=torch.zeros_like(sub)))
+    assert all((g == 0).all() for g in g_none)  # every parameter, lm_head included, gets a (zero) gradient
     tiny_llama.zero_grad()
 
 
@@ -2294,7 +2314,6 @@ def test_coord_renders_hand_worked():
 
 
 def test_frozenlake_success_rate():
-    moves = [(0, -1), (1, 0), (0, 1), (-1, 0)]
     # success_rate 1 on slippery ice = the non-slippery lake, step for step
     det, plain = FrozenLakeEnv(success_rate=1.0), FrozenLakeEnv(is_slippery=False)
     for seed in range(300):
@@ -2305,17 +2324,7 @@ def test_frozenlake_success_rate():
             assert det.step(a) == plain.step(a)
     # success_rate s: intended with s, each perpendicular with (1 - s) / 2
     for s in (0.6, 0.0):
-        env, counts = FrozenLakeEnv(success_rate=s), [0, 0, 0]
-        for seed in range(2500):
-            env.reset(seed)
-            r, c = env.pos
-            inside = [a for a in range(4) if all(0 <= r + moves[b][0] < 4 and 0 <= c + moves[b][1] < 4
-                                                  for b in ((a - 1) % 4, a, (a + 1) % 4))]
-            if not inside:
-                continue
-            a = inside[seed % len(inside)]
-            env.step(["Left", "Down", "Right", "Up"][a])
-            counts[[(r + moves[b][0], c + moves[b][1]) for b in ((a - 1) % 4, a, (a + 1) % 4)].index(env.pos)] += 1
+        counts = slip_counts(FrozenLakeEnv(success_rate=s), 2500)
         n, want = sum(counts), [(1 - s) / 2, s, (1 - s) / 2]
         assert n > 1200 and all(abs(k / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9 for k, p in zip(counts, want)), counts
     with pytest.raises(ValueError):
@@ -2483,7 +2492,7 @@ def test_lora_run_resume_two_ranks_and_export(tmp_path):
     flags = [*LORA, "--save-every", "1", "--save-adapter"]
     run_train(*flags, "--steps", "2", "--out", full)
     run_train(*flags, "--steps", "1", "--out", part)
-    run_train(*flags, "--steps", "2", "--resume", part)
+    run_train(*flags[:-1], "--steps", "2", "--resume", part)  # an output-only flag may change on a resume
     run_train(*flags, "--steps", "2", "--out", two, torchrun=2)
     a, b, c = read_metrics(full), read_metrics(part), read_metrics(two)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [m["step"] for m in c] == [0, 1]
@@ -2496,6 +2505,7 @@ def test_lora_run_resume_two_ranks_and_export(tmp_path):
     # while the policy moved away from the reference (the base: the actor with its adapter off)
     assert all(m["rollout/sampler_logp_abs_diff"] < 1e-5 for m in a + c) and abs(a[1]["actor/kl_loss"]) > 1e-4
     ck = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (full, part, two)]
+    assert os.path.isdir(os.path.join(full, "hf", "adapter")) and not os.path.exists(os.path.join(part, "hf", "adapter"))
     assert all(".lora_" in k for k in ck[0]["actor"])  # the checkpoint holds adapters (+ the critic head), no base
     assert {k for k in ck[0]["critic"] if ".lora_" not in k} == {"head.weight", "head.bias"}
     for other, tol in ((ck[1], 1e-6), (ck[2], 1e-4)):
@@ -2715,7 +2725,7 @@ R2 = [*TINY, "--collapse-every", "0", "--val-every", "0", "--steps", "2"]
     ["--algo", "rloo", "--env", "frozenlake", "--filter-strategy", "top_p", "--filter-top-p-mode", "softmax",
      "--filter-ratio", "0.6", "--filter-metric", "entropy", "--context-window-mode", "single_turn"],
     ["--algo", "reinforce_pp_baseline", "--env", "sokoban", "--filter-strategy", "top_k_abs", "--filter-ratio", "1",
-     "--filter-metric", "entropy_std", "--filter-loss-scaling", "sqrt", "--max-context-window", "1"],
+     "--filter-metric", "entropy_std", "--filter-loss-scaling", "sqrt", "--max-context-window", "1", "--collapse-every", "1"],
 ])
 def test_two_step_run_ragen2_algos_filters_and_windows(tmp_path, flags):
     out = str(tmp_path / "run")
@@ -2724,6 +2734,7 @@ def test_two_step_run_ragen2_algos_filters_and_windows(tmp_path, flags):
     assert [m["step"] for m in ms][:2] == [0, 1] and all(m["train/batch_size"] % 4 == 0 for m in ms[:2])
     assert all("actor/pg_loss" in m for m in ms[:2] if m["train/batch_size"])
     assert args["loss_agg"] == ("seq-mean-token-sum" if "drgrpo" in flags else "token-mean")
+    assert not any(k.startswith("collapse/") for m in ms for k in m)  # windowed rows are not whole episodes: no MI
     if "FrozenLake:2" in flags:  # env mixing: metrics per preset, validation on both, 8 episodes x 2 turns = 16 rows
         assert {"train/SimpleSokoban/success", "train/FrozenLake/success", "val-env/FrozenLake/success"} <= set(ms[0]) | set(ms[-1])
         assert args["env_mix"] == [["SimpleSokoban", 2], ["FrozenLake", 2]] and ms[0]["rollout/length/in_group_mean"] > 0
@@ -2753,7 +2764,10 @@ def test_empty_steps_are_skipped_then_stop(tmp_path):
     assert [m["step"] for m in ms] == [0, 1] and [m["rollout/consecutive_empty_steps"] for m in ms] == [1, 2]
     assert ms[1]["early_stopped/empty_filtered_steps"] == 1 and "actor/pg_loss" not in ms[0]
     assert "stopping early: 2 steps in a row had nothing to train" in r.stdout
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 1
+    # an empty step measures no entropy: it must not enter the early level as 0 (that would hide a later fall)
+    assert ckpt["monitor"]["early_entropy"] == [] and len(ckpt["monitor"]["early_std"]) == 2
 
 
 def test_early_stop_on_validation_success(tmp_path):

@@ -152,7 +152,8 @@ g.add_argument("--val-every", type=int, default=10, help="validate every N steps
 g.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
 g.add_argument("--val-temperature", type=float, default=0.5, help="validation sampling temperature (RAGEN val_kwargs)")
 g.add_argument("--val-seed", type=int, default=123, help="first validation seed (RAGEN seed.val)")
-g.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never)")
+g.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never; "
+               "off when a context window cuts episodes into rows)")
 g = p.add_argument_group("run")
 DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
         "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
@@ -267,7 +268,8 @@ if args.resume:
         die(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} leaves nothing to do")
     changed = {k: (v, getattr(args, k)) for k, v in ckpt["args"].items()
                if k not in ("resume", "out", "steps", "save_every", "inject_nan", "wandb", "val_every", "device",
-                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "collapse_every")
+                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "collapse_every",
+                            "save_adapter")
                and getattr(args, k, None) != v}
     if changed:
         die(f"--resume {args.resume}: flags differ from the run's args.json: " +
@@ -583,12 +585,12 @@ def forward_pass(model, what):
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
     for mb in micro_batches(list(range(n))[rows_of_this_rank(n)]):
-        tokens, am = trim(mb, batch["tokens"], batch["attention_mask"])
+        tokens, am, lm = trim(mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
         with autocast():
             if what == "values":
                 x = model(tokens, am)
-            else:
-                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy")
+            else:  # only the sampled tokens' positions (lm) go through lm_head
+                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy", mask=lm)
                 x = x[1] if what == "entropy" else x[0]
         res[mb, :x.shape[1]] = x.float()
     if ddp and n:
@@ -724,12 +726,12 @@ def collapse_warnings(m):
     warn = []
     if len(monitor["early_std"]) < 5:
         monitor["early_std"].append(m["rollout/in_group_std"])
-        monitor["early_entropy"].append(m.get("actor/entropy", 0.0))
-    else:
-        s0, e0 = sum(monitor["early_std"]) / 5, sum(monitor["early_entropy"]) / 5
-        if s0 > 0 and m["rollout/in_group_std"] < 0.1 * s0:
-            warn.append(f"in-group reward std {m['rollout/in_group_std']:.3g} fell below 10% of its early level {s0:.3g}")
-        if e0 > 0 and m.get("actor/entropy", e0) < 0.1 * e0:
+    elif (s0 := sum(monitor["early_std"]) / 5) > 0 and m["rollout/in_group_std"] < 0.1 * s0:
+        warn.append(f"in-group reward std {m['rollout/in_group_std']:.3g} fell below 10% of its early level {s0:.3g}")
+    if "actor/entropy" in m:  # a step left empty by the filter trained nothing and measured no entropy
+        if len(monitor["early_entropy"]) < 5:
+            monitor["early_entropy"].append(m["actor/entropy"])
+        elif (e0 := sum(monitor["early_entropy"]) / 5) > 0 and m["actor/entropy"] < 0.1 * e0:
             warn.append(f"entropy {m['actor/entropy']:.3g} fell below 10% of its early level {e0:.3g}")
     g = monitor["grad_norms"]
     if len(g) >= 5 and m.get("actor/grad_norm", 0) > 10 * sorted(g)[len(g) // 2]:
@@ -799,7 +801,7 @@ for step in bar:
     if args.log_trajectories_every and step % args.log_trajectories_every == 0:
         dump_trajectories(out, f"train-step{step:05d}.jsonl")
     # RAGEN-2, before filtering; it reads one row per episode, so not in the one-row-per-turn modes (yet)
-    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and args.context_window_mode == "full":
+    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:  # needs whole episodes
         t0 = time.time()
         phase("collapse diagnostics")
         m.update(collapse_metrics(out, step))
@@ -819,7 +821,7 @@ for step in bar:
             per_row = out["loss_mask"].sum(1).float()  # [R]
         else:  # the actor's entropy (RAGEN-2 EntropyRolloutFilter); rows padded to a multiple of world for FSDP
             batch = {k: out[k][torch.arange(len(ep) + (-len(ep)) % world).clamp(max=max(len(ep) - 1, 0))]
-                     for k in ("tokens", "attention_mask")}
+                     for k in ("tokens", "attention_mask", "loss_mask")}
             per_row = (forward_pass(actor, "entropy")[:len(ep)] * out["loss_mask"]).sum(1) / out["loss_mask"].sum(1).clamp(min=1)
         ranked = torch.zeros(len(scores)).index_add_(0, ep, per_row)
         if args.filter_metric != "length":
@@ -931,7 +933,7 @@ for step in bar:
             for mb in micro_batches(mine):
                 tokens, am, mmask, madv, mold = trim(mb, batch["tokens"], batch["attention_mask"], mask, adv, batch["old_logp"])
                 with autocast(), saved_bytes(actor) as held:
-                    logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True)
+                    logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True, mask=mmask)
                 acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
                 logp, ent = logp.float(), ent.float()
                 pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
