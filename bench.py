@@ -3,6 +3,7 @@
   python bench.py                                  # CPU: smollm2, batch 32: our sampler vs HF generate, KV reuse vs re-prefill
   python bench.py --only sampler --batch 8 --new-tokens 32
   python bench.py --only envs                      # reset / step medians of every env preset
+  python bench.py --only logprobs --batch 4 --turns 3 --turn-tokens 24    # the update's lm_head: sampled tokens only
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
 
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
@@ -13,6 +14,7 @@ import time
 import torch
 
 import rollout
+import starpo
 
 
 def sync(device):
@@ -112,6 +114,36 @@ def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, ro
         print(f"{name:40s} {best[name]:7.2f} s  prefilled {int(st['prefill_tokens'].sum()):6d} tok  sampled "
               f"{int(st['response_tokens'].sum()):5d} tok  row rebuilds {int(st['context_rebuilds'].sum()):3d}  rows {len(out['episode'])}")
     return best, outs
+
+
+def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, rounds=2):
+    """The update's log-prob pass (starpo.token_logprobs, forward + backward) on SimpleSokoban rollout rows,
+    with lm_head over every real position against only the loss-masked (sampled) ones, as train.py runs it.
+    Times are the min of interleaved rounds; the two must agree on the sampled tokens' log-probs."""
+    from env_sokoban import PRESETS, SokobanEnv
+    preset = PRESETS["SimpleSokoban"]
+    out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)],
+                          [i // group_size for i in range(batch)], preset, group_size=group_size, max_turns=turns,
+                          max_new_tokens=turn_tokens, sample_seed=0)
+    tokens, am, lm = out["tokens"], out["attention_mask"], out["loss_mask"]  # [B, T] each
+    best, lps = {}, {}
+    for _ in range(rounds):
+        for name, use in (("every position", False), ("loss-masked only", True)):
+            t, lps[name] = time.perf_counter(), []
+            for s in range(0, batch, micro):
+                lp, ent = starpo.token_logprobs(model, tokens[s:s + micro], am[s:s + micro], with_entropy=True,
+                                                mask=lm[s:s + micro] if use else None)
+                ((lp * lm[s:s + micro]).sum() + (ent * lm[s:s + micro]).sum()).backward()
+                lps[name].append((lp * lm[s:s + micro]).detach())
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+            model.zero_grad(set_to_none=True)
+    diff = max((a - b).abs().max().item() for a, b in zip(*lps.values()))
+    print(f"log-probs fwd+bwd, {batch} rows x {tokens.shape[1]} slots: {int(am.sum())} real tokens, {int(lm.sum())} sampled "
+          f"({lm.sum() / am.sum():.1%})")
+    for name, t in best.items():
+        print(f"  lm_head on {name:18s} {t:7.2f} s")
+    print(f"  speedup {best['every position'] / best['loss-masked only']:.2f}x, max |log-prob difference| {diff:.2e}")
+    return best
 
 
 def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
@@ -294,7 +326,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "window", "decode", "envs"],
+    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "window", "decode", "envs", "logprobs"],
                         help="which measurement (window: the KV-row rebuilds of a context window; not in all)")
     parser.add_argument("--plan", action="store_true", help="print the memory plan of the paper's config on 24 GB, 1 and 8 H100s")
     parser.add_argument("--dry-run", type=int, default=0, metavar="LAYERS", help="one train.py step on the Qwen2.5-0.5B "
@@ -342,6 +374,8 @@ if __name__ == "__main__":
         time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
     if tok is not None and args.only == "window":
         time_windows(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
+    if tok is not None and args.only == "logprobs":
+        time_logprobs(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
     if args.only == "decode" or (args.only == "all" and args.device.startswith("cuda")):
         time_decode_floor(model, args.batch, args.prompt_len, args.new_tokens, args.device, args.bandwidth)
     if tok is None and args.only in ("all", "sampler"):  # the random-weight model: HF generate on random prompts
