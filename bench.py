@@ -225,7 +225,7 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   rms_norm_eps=1e-6)
 
 
-def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True, ckpt=False, chunk=1024):
+def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True, ckpt=False, chunk=256):
     """Expected bytes per rank by part. cfg: an HF config; rows: trajectories rolled out per step (all ranks);
     micro: rows per forward/backward; seq: the longest conversation (--max-context)."""
     d, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size

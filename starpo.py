@@ -350,7 +350,7 @@ def _chunk_logprobs(lm_head, hidden, targets, temperature, with_entropy):
     ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)  # [c]
     return logp, ent
 
-def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=1024, with_entropy=False, mask=None):
+def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, with_entropy=False, mask=None):
     """Log-probs [B, T] of `tokens` under an HF causal LM with logits / temperature (veRL does the same,
     RAGEN_SPEC 4.1), and the entropies [B, T] of that same distribution if asked (else None).
     Alignment: logp[:, t] = log p(tokens[:, t] | tokens[:, :t]), from the logits at position t-1;
