@@ -365,7 +365,8 @@ def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, wi
     position against ~360M for the 24 layers, so skipping the unsampled positions saves that share of the
     FLOPs and [c, V] logits traffic for each of them. Under autograd each chunk is activation-checkpointed
     (recomputed in backward), or backward would keep every chunk's [c, V] softmax alive. An empty mask still
-    runs one empty chunk, so lm_head gets a (zero) gradient on every rank. We call the root `model(...)`
+    runs one empty chunk, so lm_head gets a (zero) gradient on every rank. The boolean gather costs
+    one device sync per call (its size N), nothing next to the forward. We call the root `model(...)`
     rather than `model.model` so that FSDP2's root pre-forward hook unshards the root's parameters
     (embeddings, final norm, lm_head); lm_head is then used after the forward, which relies on FSDP2
     keeping the root unsharded after forward (its default, reshard_after_forward=None -> False for the
