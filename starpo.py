@@ -374,7 +374,9 @@ def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, wi
     forward ends."""
     out = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
                 output_hidden_states=True, logits_to_keep=1)
-    keep = attention_mask[:, 1:].bool() & (True if mask is None else mask[:, 1:].bool())  # [B, T-1] wanted
+    keep = attention_mask[:, 1:].bool()  # [B, T-1] the positions whose log-prob is wanted
+    if mask is not None:
+        keep = keep & mask[:, 1:].bool()
     hidden, targets = out.hidden_states[-1][:, :-1][keep], tokens[:, 1:][keep]  # [N, H], [N]: t-1 predicts t
     del out
     lm_head, use_ckpt = model.get_output_embeddings(), torch.is_grad_enabled() and hidden.requires_grad

@@ -581,7 +581,8 @@ def trim(idx, *tensors):
 
 @torch.no_grad()
 def forward_pass(model, what):
-    """logp, entropy or values (what) of this rank's share of the rows of `batch` (a multiple of world), gathered."""
+    """logp, entropy or values (what) of this rank's share of the rows of `batch` (a multiple of world), gathered;
+    logp and entropy only at batch["loss_mask"] (0 elsewhere)."""
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
     for mb in micro_batches(list(range(n))[rows_of_this_rank(n)]):
@@ -800,8 +801,8 @@ for step in bar:
     out = merge_rows(outs)
     if args.log_trajectories_every and step % args.log_trajectories_every == 0:
         dump_trajectories(out, f"train-step{step:05d}.jsonl")
-    # RAGEN-2, before filtering; it reads one row per episode, so not in the one-row-per-turn modes (yet)
-    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:  # needs whole episodes
+    # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
+    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:
         t0 = time.time()
         phase("collapse diagnostics")
         m.update(collapse_metrics(out, step))
@@ -822,7 +823,7 @@ for step in bar:
         else:  # the actor's entropy (RAGEN-2 EntropyRolloutFilter); rows padded to a multiple of world for FSDP
             batch = {k: out[k][torch.arange(len(ep) + (-len(ep)) % world).clamp(max=max(len(ep) - 1, 0))]
                      for k in ("tokens", "attention_mask", "loss_mask")}
-            per_row = (forward_pass(actor, "entropy")[:len(ep)] * out["loss_mask"]).sum(1) / out["loss_mask"].sum(1).clamp(min=1)
+            per_row = forward_pass(actor, "entropy")[:len(ep)].sum(1) / out["loss_mask"].sum(1).clamp(min=1)  # 0 off the loss mask
         ranked = torch.zeros(len(scores)).index_add_(0, ep, per_row)
         if args.filter_metric != "length":
             ranked = ranked / torch.bincount(ep, minlength=len(scores)).clamp(min=1)
@@ -857,16 +858,16 @@ for step in bar:
     sampler_logp = batch["old_logp"]
     if args.old_logp == "recompute":
         phase("old log-probs")
-        batch["old_logp"] = forward_pass(actor, "logp") * mask
+        batch["old_logp"] = forward_pass(actor, "logp")  # 0 off the loss mask, as the sampler's
         m["rollout/sampler_logp_abs_diff"] = ((sampler_logp - batch["old_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
     timing["old_logp"] = time.time() - t0
     t0 = time.time()
     if ref is not None or critic is not None or args.kl_coef > 0:
         phase("reference log-probs and values")
-    ref_logp = forward_pass(ref, "logp") * mask if ref is not None else None
+    ref_logp = forward_pass(ref, "logp") if ref is not None else None
     if args.kl_coef > 0 and args.lora_rank:  # LoRA: the reference is the base model = the actor with its adapter off
         actor.disable_adapters()             # (peft's disable_adapter, without a second copy of the weights)
-        ref_logp = forward_pass(actor, "logp") * mask
+        ref_logp = forward_pass(actor, "logp")
         actor.enable_adapters()
     values = forward_pass(critic, "values") * mask if critic is not None else None
     timing["ref_values"] = time.time() - t0
