@@ -5,6 +5,7 @@
   python bench.py --only envs                      # reset / step medians of every env preset
   python bench.py --only logprobs --batch 4 --turns 3 --turn-tokens 24    # the update's lm_head: sampled tokens only
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
+  python bench.py --gpu-check                      # first thing on a GPU machine: PASS / FAIL per line, exit 1 on a FAIL
 
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
 """
@@ -37,38 +38,87 @@ def first_turn_prompts(tok, batch):
     return prompts
 
 
-def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0):
-    """Same prompts, same settings (T=1, top-p 1, no top-k, exactly new_tokens per row): tokens/s of each."""
+def interleaved(fns, repeats, device="cpu"):
+    """Time every callable of fns ({name: fn}) `repeats` times, alternating between them (A B A B ...), so that a
+    change in the machine's load hits every side alike. Returns ({name: [seconds]}, {name: last result})."""
+    times, results = {name: [] for name in fns}, {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
+            results[name] = fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    return times, results
+
+
+def spread(ts):
+    """'min 12.30 s, spread 1.08x' over the repeats of one side (spread = max / min)."""
+    return f"min {min(ts):7.2f} s, spread {max(ts) / min(ts):4.2f}x"
+
+
+def ratio(slow, fast):
+    """Speed-up of `fast` over `slow` from the minima of interleaved repeats, with each side's spread."""
+    return (f"{min(slow) / min(fast):.2f}x (min over min; spreads {max(slow) / min(slow):.2f}x / "
+            f"{max(fast) / min(fast):.2f}x over {len(slow)} / {len(fast)} repeats)")
+
+
+def matmul_peak(device, n=2048, reps=5):
+    """FLOP/s of the best of `reps` fp32 [n, n] @ [n, n] matmuls: the compute peak the floors below are written against."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first one warms up
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0, repeats=3):
+    """Same prompts, same settings (T=1, top-p 1, no top-k, exactly new_tokens per row), interleaved repeats of
+    ours (prefix-shared prefill), ours with every prompt prefilled in full, and HF generate. The compute floor:
+    the matmul FLOPs of the linear layers (2 x parameters without the embedding, per token through the trunk; the
+    lm_head once per sampled token), at the measured fp32 matmul peak."""
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=device)   # [B, L] left-padded for HF
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
 
-    def ours(n):
-        return rollout.generate(model, prompts, n, stop_ids=(), temperature=1.0, seed=0)
+    def ours(n, share=True):
+        return rollout.generate(model, prompts, n, stop_ids=(), temperature=1.0, seed=0, share_prefixes=share)
 
     def hf(n):
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                                   max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
-    rows = {}
-    for name, fn in (("ours", ours), ("hf_generate", hf)):
-        fn(4)  # warm-up (and, on CUDA, compilation / graph capture for the short run)
+    for fn in (ours, hf):  # warm-up (and, on CUDA, compilation / graph capture for the short and the full run)
+        fn(4)
         if torch.device(device).type == "cuda":
             fn(new_tokens)
-        sync(device)
-        t = time.perf_counter()
-        fn(new_tokens)
-        sync(device)
-        rows[name] = time.perf_counter() - t
-    for name, s in rows.items():
-        print(f"{name:12s} batch {B}  prompt {min(map(len, prompts))}-{L} tok  {new_tokens} new/row  "
-              f"{s:7.2f} s  {B * new_tokens / s:8.1f} tok/s (prefill included)")
-    print(f"ratio ours/hf_generate tokens/s: {rows['hf_generate'] / rows['ours']:.2f}x")
-    return rows
+    times, _ = interleaved({"ours": lambda: ours(new_tokens), "ours, no prefix sharing": lambda: ours(new_tokens, False),
+                            "hf_generate": lambda: hf(new_tokens)}, repeats, device)
+    embed = model.model.embed_tokens.weight.numel()
+    trunk = sum(p.numel() for p in model.model.parameters()) - embed                # linear layers + norms
+    head = model.lm_head.weight.numel()
+    prompt_tok, saved = sum(map(len, prompts)), sum(rollout.shared_prefixes(prompts)[1])
+    flops = {"ours": 2 * trunk * (prompt_tok - saved + B * new_tokens) + 2 * head * B * new_tokens}
+    flops["ours, no prefix sharing"] = flops["hf_generate"] = flops["ours"] + 2 * trunk * saved
+    peak = matmul_peak(device)
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s (fp32 2048^2, best of 5); prompts {prompt_tok} tok, "
+          f"{saved} of them shared ({saved / prompt_tok:.0%}, copied instead of computed)")
+    for name, ts in times.items():
+        floor = flops[name] / peak
+        print(f"{name:24s} batch {B}  prompt {min(map(len, prompts))}-{L} tok  {new_tokens} new/row  {spread(ts)}  "
+              f"{B * new_tokens / min(ts):7.1f} tok/s  floor {floor:6.2f} s ({floor / min(ts):.0%} of the peak)")
+    print(f"speed-up ours over hf_generate: {ratio(times['hf_generate'], times['ours'])}")
+    print(f"speed-up of prefix sharing: {ratio(times['ours, no prefix sharing'], times['ours'])}")
+    return times
 
 
-def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens):
-    """A multi-turn Sokoban rollout, with the KV cache kept across turns vs the whole history re-prefilled."""
+def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
+    """A multi-turn Sokoban rollout, with the KV cache kept across turns vs the whole history re-prefilled
+    (interleaved repeats)."""
     from env_sokoban import PRESETS, SokobanEnv
     preset = PRESETS["SimpleSokoban"]
     seeds = [i // group_size for i in range(batch)]
@@ -76,19 +126,16 @@ def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens):
         model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
         max_turns=n_turns, max_new_tokens=n_tok, kv_reuse=reuse, sample_seed=0)
     run(True, 1, 2)  # warm-up
-    rows = {}
-    for reuse in (True, False):
-        t = time.perf_counter()
-        out = run(reuse, turns, turn_tokens)
-        rows[reuse] = (time.perf_counter() - t, out)
-    (a, out_a), (b, out_b) = rows[True], rows[False]
+    times, outs = interleaved({"reuse": lambda: run(True, turns, turn_tokens),
+                               "re-prefill": lambda: run(False, turns, turn_tokens)}, repeats)
+    out_a, out_b = outs["reuse"], outs["re-prefill"]
     same = torch.equal(out_a["tokens"], out_b["tokens"])
     lp = (out_a["old_logp"] - out_b["old_logp"]).abs().max().item() if same else float("nan")
     print(f"kv_reuse     batch {batch} (groups of {group_size})  {turns} turns x <= {turn_tokens} tok  "
           f"final length {out_a['tokens'].shape[1]} tok  turns played {out_a['stats']['num_turns'].mean():.1f}")
-    print(f"  reuse {a:7.2f} s   re-prefill {b:7.2f} s   speed-up {b / a:.2f}x   "
-          f"same tokens: {same}   max |logp diff| {lp:.1e}")
-    return rows
+    print(f"  reuse {spread(times['reuse'])}   re-prefill {spread(times['re-prefill'])}   speed-up "
+          f"{ratio(times['re-prefill'], times['reuse'])}   same tokens: {same}   max |logp diff| {lp:.1e}")
+    return times
 
 
 def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, rounds=3):
@@ -103,20 +150,15 @@ def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, ro
             f"limited_multi_turn, window {window}": dict(window=window, window_mode="limited_multi_turn"),
             f"limited_multi_turn, window {window}, re-prefill": dict(window=window, window_mode="limited_multi_turn", kv_reuse=False),
             f"single_turn, window {window}": dict(window=window, window_mode="single_turn")}
-    best, outs = {}, {}
-    for _ in range(rounds):
-        for name, kw in cfgs.items():
-            t = time.perf_counter()
-            outs[name] = run(**kw)
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    times, outs = interleaved({name: (lambda kw=kw: run(**kw)) for name, kw in cfgs.items()}, rounds)
     for name, out in outs.items():
         st = out["stats"]
-        print(f"{name:40s} {best[name]:7.2f} s  prefilled {int(st['prefill_tokens'].sum()):6d} tok  sampled "
+        print(f"{name:40s} {spread(times[name])}  prefilled {int(st['prefill_tokens'].sum()):6d} tok  sampled "
               f"{int(st['response_tokens'].sum()):5d} tok  row rebuilds {int(st['context_rebuilds'].sum()):3d}  rows {len(out['episode'])}")
-    return best, outs
+    return times, outs
 
 
-def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, rounds=2):
+def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, rounds=3):
     """The update's log-prob pass (starpo.token_logprobs, forward + backward) on SimpleSokoban rollout rows,
     with lm_head over every real position against only the loss-masked (sampled) ones, as train.py runs it.
     Times are the min of interleaved rounds; the two must agree on the sampled tokens' log-probs."""
@@ -126,7 +168,7 @@ def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, ro
                           [i // group_size for i in range(batch)], preset, group_size=group_size, max_turns=turns,
                           max_new_tokens=turn_tokens, sample_seed=0)
     tokens, am, lm = out["tokens"], out["attention_mask"], out["loss_mask"]  # [B, T] each
-    best, lps = {}, {}
+    times, lps = {}, {}
     for _ in range(rounds):
         for name, use in (("every position", False), ("loss-masked only", True)):
             t, lps[name] = time.perf_counter(), []
@@ -135,20 +177,20 @@ def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, ro
                                                 mask=lm[s:s + micro] if use else None)
                 ((lp * lm[s:s + micro]).sum() + (ent * lm[s:s + micro]).sum()).backward()
                 lps[name].append((lp * lm[s:s + micro]).detach())
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+            times.setdefault(name, []).append(time.perf_counter() - t)
             model.zero_grad(set_to_none=True)
     diff = max((a - b).abs().max().item() for a, b in zip(*lps.values()))
     print(f"log-probs fwd+bwd, {batch} rows x {tokens.shape[1]} slots: {int(am.sum())} real tokens, {int(lm.sum())} sampled "
           f"({lm.sum() / am.sum():.1%})")
-    for name, t in best.items():
-        print(f"  lm_head on {name:18s} {t:7.2f} s")
-    print(f"  speedup {best['every position'] / best['loss-masked only']:.2f}x, max |log-prob difference| {diff:.2e}")
-    return best
+    for name, ts in times.items():
+        print(f"  lm_head on {name:18s} {spread(ts)}")
+    print(f"  speed-up {ratio(times['every position'], times['loss-masked only'])}, max |log-prob difference| {diff:.2e}")
+    return times
 
 
 def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
     """Decode-only tokens/s at a given context, and its fraction of the memory-bandwidth floor
-    (PERF_AND_PEERS.md 2.2: weights except the input embedding + every row's K/V read once per step)."""
+    (the floor: weights except the input embedding + every row's K/V read once per step)."""
     cfg = model.config
     V = cfg.vocab_size
     prompts = torch.randint(0, V, (batch, prompt_len)).tolist()
@@ -209,59 +251,10 @@ def qwen25_05b_random(device, dtype, layers=24):
     return model.eval()
 
 
-# ------------------------------------------------------------------------------------------------ memory plan
-# Peak memory per rank of `train.py`, part by part, from the model config and the flags. The parts are the ones
-# train.py allocates: fp32 master weights, grads and AdamW states (sharded 1/W by FSDP2), the critic's trunk,
-# the reference model, the rollout copy (unsharded, bf16 on GPU), the sampler's static KV pool, and the update's
-# transients: what autograd holds for backward in one micro-batch, autocast's bf16 weight copies, and one
-# token_logprobs chunk of logits. Activation bytes per token per layer are counted from what autograd saves in a
-# Llama / Qwen2 layer (checked against saved_tensors_hooks on the CPU by test_memory_plan_*; fp32 and bf16):
-#   fp32:          4 * (6d + 4I + 2HD + 2KvD + H + 2)          (norms 3d+1 each, q k v out, lse, MLP 4I)
-#   bf16 autocast: 26d + 8 + 4HD + 4KvD + 4H + 8I              (fp32 norms + a bf16 cast per Linear input)
-#   checkpointed:  4d per layer (the fp32 layer input) + one layer's full set while it is recomputed
-#   outside layers: 12d + 8 (token ids, final norm, the log-prob chunks' inputs)
+# the Qwen2.5-0.5B-Instruct shape (the paper's model): the dry run's random model, and the shape --plan plans
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
                   rms_norm_eps=1e-6)
-
-
-def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True, ckpt=False, chunk=256):
-    """Expected bytes per rank by part. cfg: an HF config; rows: trajectories rolled out per step (all ranks);
-    micro: rows per forward/backward; seq: the longest conversation (--max-context)."""
-    d, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or d // H
-    layer = d * (H * D + 2 * KV * D) + 2 * KV * D + H * D + H * D * d + 3 * d * I + 2 * d  # q k v (+biases) o, MLP, norms
-    embed = V * d
-    P = L * layer + embed * (1 if cfg.tie_word_embeddings else 2) + d
-    trunk = P - (0 if cfg.tie_word_embeddings else embed) + d + 1                           # critic: no lm_head, + value head
-    rb = 2 if bf16 else 4
-    per_tok = (26 * d + 8 + 4 * H * D + 4 * KV * D + 4 * H + 8 * I) if bf16 else 4 * (6 * d + 4 * I + 2 * H * D + 2 * KV * D + H + 2)
-    tokens = micro * seq
-    acts = (L * 4 * d if ckpt else L * per_tok) * tokens + (12 * d + 8) * tokens  # + ids, final norm, chunk inputs
-    slots = (seq + 1) // 128 * 128 + 128                        # rollout.static_capacity(max_context + 1)
-    part = dict(
-        weights=4 * P / world, grads=4 * P / world, adamw=8 * P / world,
-        critic=16 * trunk / world if critic else 0, reference=4 * P / world if ref else 0,
-        rollout_copy=rb * P if (world > 1 or bf16) else 0,
-        kv_pool=L * 2 * (rows // world) * KV * slots * D * rb,
-        activations=acts,                                       # held from forward to backward
-        recompute=(per_tok * tokens + (2 * layer if bf16 else 0)) if ckpt else 0,  # ckpt: one layer rebuilt in backward
-        # autocast's bf16 copies held to backward (checkpointed layers recast theirs); FSDP2: bf16 root + 2 blocks
-        weight_casts=0 if not bf16 else 2 * (embed + 2 * layer) if world > 1 else 2 * embed if ckpt else 2 * P,
-        logprob_chunk=4 * min(chunk, micro * seq) * V * 4,      # logits, log_softmax, probs, p*logp of one chunk, fp32
-    )
-    part["total"] = sum(part.values())
-    return part
-
-
-def print_plan(name, cfg, gpu_gb, **kw):
-    part = plan_memory(cfg, **kw)
-    gb = {k: v / 2**30 for k, v in part.items()}
-    fits = "fits" if gb["total"] <= gpu_gb * 0.92 else "does NOT fit"   # ~8% for the CUDA context and fragmentation
-    print(f"{name:34s} " + "  ".join(f"{k} {v:5.2f}" for k, v in gb.items() if k != "total") +
-          f"  | total {gb['total']:6.2f} GB of {gpu_gb} -> {fits}")
-    return part
 
 
 # ------------------------------------------------------------------------------------------------ paper-shape dry run
@@ -293,6 +286,52 @@ def save_qwen25_shape(path, layers=24):
     return path
 
 
+# the multi-turn PPO step of the bench: SmolLM2, CoordFrozenLakeDet, PPO with the critic, 4 groups x 8, 3 turns
+STEP = ("--env CoordFrozenLakeDet --no-think --algo ppo --max-turns 3 --max-actions-per-turn 4 --max-new-tokens 48 "
+        "--num-groups 4 --group-size 8 --filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --lr 2e-5 "
+        "--critic-lr 1e-4 --val-every 0 --collapse-every 0 --steps 1 --log-trajectories-every 0")
+STEP_SIDES = {"before": "--no-prefix-sharing --old-logp recompute",  # every speed-up off
+              "after": "--old-logp sampler"}                         # on: the flags a multi-turn CPU run should use
+
+
+def time_step(model, repeats, threads, sides=STEP_SIDES):
+    """One train.py step (STEP) per side, sides interleaved `repeats` times, each a fresh process on the same seed;
+    per phase (train.py's timing_s/*) the min and spread of each side and the speed-up. The sides must compute the
+    same step: the scores and the losses are printed next to each other (old log-probs from the sampler differ
+    from the recomputed ones by the logged rollout/sampler_logp_abs_diff, fp32 rounding on the CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else dict(os.environ)
+    times, last = {name: {} for name in sides}, {}
+    for _ in range(repeats):
+        for name, flags in sides.items():
+            out = tempfile.mkdtemp()
+            cmd = [sys.executable, os.path.join(here, "train.py"), "--model", model, *STEP.split(), *flags.split(), "--out", out]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if r.returncode:
+                raise SystemExit(f"train.py exited with {r.returncode}\n" + r.stdout[-2000:] + r.stderr[-3000:])
+            last[name] = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+            for k, v in last[name].items():
+                if k.startswith("timing_s/"):
+                    times[name].setdefault(k[9:], []).append(v)
+            print(f"  {name:7s} step {last[name]['timing_s/step']:7.1f} s", flush=True)
+    a, b = sides
+    print(f"multi-turn PPO step, --model {model} {STEP}\n  {a}: {sides[a]}\n  {b}: {sides[b]}")
+    for phase in ("rollout", "old_logp", "ref_values", "update", "step"):
+        ta, tb = times[a][phase], times[b][phase]
+        gain = ratio(ta, tb) if min(tb) > 0.05 else "(phase skipped)"
+        print(f"  {phase:10s} {a} {spread(ta)}  ->  {b} {spread(tb)}   {gain}")
+    env_key = "train/CoordFrozenLakeDet/"
+    for k in (env_key + "score", env_key + "prefill_tokens", env_key + "prefill_saved", "critic/vf_loss", "actor/pg_loss",
+              "actor/ratio_max", "rollout/sampler_logp_abs_diff"):
+        print(f"  {k:40s} " + "   ".join(f"{name} {last[name].get(k, float('nan')):.6g}" for name in sides))
+    return times, last
+
+
 def dry_run(layers, sampler, out):
     """One full StarPO-S step of train.py (rollout on the sampler path asked for, filter, old log-probs, values,
     PPO update, checkpoint + HF export) on the Qwen2.5-0.5B shape at a small batch; prints time and peak RSS."""
@@ -322,11 +361,151 @@ def dry_run(layers, sampler, out):
     return m
 
 
+# ------------------------------------------------------------------------------------------------ CUDA-graph emulations
+# Two torch.compile backends that give the CPU the two CUDA-graph faults it cannot have (the test suite and
+# --gpu-check run every compiled path of rollout.py under them). Both run each captured graph eagerly.
+
+class GraphReplayBackend:
+    """A CUDA-graph replay writes its outputs into the same static buffers every time, and with CUDA graph trees
+    starting the next compiled call frees the previous call's outputs (torch _inductor/cudagraph_trees.py,
+    dealloc_current_path_weakrefs): a caller that keeps a compiled output, or feeds it into the next compiled
+    call, reads garbage. Here every output of compiled call k is overwritten with garbage (NaN; random ints) as
+    soon as call k+1 starts, so such a caller samples different tokens on the CPU too. Outputs that are a
+    graph's own inputs (mutated in place) are real tensors, not graph memory, and are left alone."""
+
+    def __init__(self):
+        self.graphs, self.calls, self.live = 0, 0, []
+        self.noise = torch.Generator().manual_seed(0)
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            for t in self.live:  # the previous call's outputs: its static buffers are reused now
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+                else:
+                    t.copy_(torch.randint(0, 100, t.shape, generator=self.noise))
+            self.calls += 1
+            outs = gm.forward(*args)
+            mine = {a.untyped_storage().data_ptr() for a in args if torch.is_tensor(a)}
+            self.live = [o for o in outs if torch.is_tensor(o) and o.untyped_storage().data_ptr() not in mine]
+            return outs
+        return run
+
+
+class RecordingBackend:
+    """Records every graph dynamo hands over (one per compile or recompile) with its example inputs, and flags
+    the inputs that inductor would keep on the CPU: a Python float that changed value between calls becomes a
+    0-d float64 CPU tensor input (dynamo's automatic dynamic), and inductor skips CUDA graphs for any graph with
+    a CPU input, silently, for the rest of the run. `inner` runs the graph (default: eagerly)."""
+
+    def __init__(self, inner=None):
+        self.graphs, self.inner = [], inner
+
+    def __call__(self, gm, example_inputs):
+        nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = [n.name for n in nodes]
+        scalars = [n.name for n, x in zip(nodes, example_inputs)
+                   if getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)
+                   or (torch.is_tensor(x) and x.dim() == 0 and x.dtype == torch.float64 and x.device.type == "cpu")]
+        self.graphs.append(dict(inputs=names, cpu_scalars=scalars))
+        return gm.forward if self.inner is None else self.inner(gm, example_inputs)
+
+
+# ------------------------------------------------------------------------------------------------ the GPU check
+def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
+    """python bench.py --gpu-check: what the CPU tests cannot see, one PASS / FAIL line each; returns the number
+    of FAILs. On CUDA: the compiled sampler with inductor and CUDA graphs, the SDPA kernel that runs, one train.py
+    step's peak memory against its plan, decode speed against the bandwidth floor (Qwen2.5-0.5B shape, `layers`
+    layers, random weights). On the CPU the same checks run on the tiny model with the emulations above in place
+    of CUDA graphs, and the memory and speed lines report without a GPU figure to hold them to."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    from torch._dynamo.utils import counters
+    from env_frozenlake import PRESETS, FrozenLakeEnv
+    device = torch.device(device)
+    cuda, fails = device.type == "cuda", []
+
+    def line(name, ok, detail):
+        fails.append(not ok)
+        print(f"{'PASS' if ok else 'FAIL'}  {name:24s} {detail}", flush=True)
+
+    # 1, 2: the compiled static sampler against eager, then validation (T=0.5) and training (T=1.0) for 3 steps
+    model, tok = rollout.load_model("tiny", device=device)  # fp32: compiled and eager agree to the token
+    preset = PRESETS["FrozenLake"]
+    run = lambda sampler, seeds=(5, 5, 6, 6), **kw: rollout.rollout(
+        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset, group_size=2, max_turns=3,
+        max_new_tokens=16, max_context=1200, think=False, top_p=0.95, sample_seed=4, sampler=sampler, **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    rec = RecordingBackend(GraphReplayBackend())
+    fast = rollout.Sampler(static=True, compile="inductor" if cuda else rec, check_every=8)
+    eager, got = run(rollout.Sampler()), run(fast)
+    same = torch.equal(got["tokens"], eager["tokens"])
+    line("compiled == eager", same, f"{int(got['stats']['response_tokens'].sum())} tokens sampled by the static path "
+         f"({'inductor, CUDA graphs' if cuda else 'CUDA-graph replays emulated'}), identical to eager: {same}")
+    for step in range(3):
+        for temperature in (0.5, 1.0):
+            run(fast, seeds=(step, step, step + 1, step + 1), temperature=temperature)
+    graphs = counters["stats"]["unique_graphs"]
+    cpu_inputs = counters["inductor"]["cudagraph_skips"] if cuda else sum(len(g["cpu_scalars"]) for g in rec.graphs)
+    line("graphs, recompiles", graphs <= 3 and cpu_inputs == 0,
+         f"{graphs} graphs for 2 functions (at most 3 for one top-p and greedy setting: sample_next once, decode_step "
+         f"with a fixed and a symbolic key length), "
+         f"{'CUDA graphs skipped' if cuda else 'Python floats as CPU tensor inputs'}: {cpu_inputs}")
+
+    # 3: which SDPA kernel the sampler's attention runs (its explicit mask rules flash out on CUDA)
+    qwen = qwen25_05b_random(device, torch.bfloat16, layers=2) if cuda else model  # CUDA: 7 query heads per KV head
+    prompts = torch.randint(0, qwen.config.vocab_size, (8, 100)).tolist()
+    torch._dynamo.reset()
+    with torch.profiler.profile() as prof:
+        rollout.generate(qwen, prompts, 4, sampler=rollout.sampler_settings(device))
+    ran = sorted({e.key for e in prof.key_averages()
+                  if "attention" in e.key and e.key != "aten::scaled_dot_product_attention"})  # the kernels it chose
+    want = "efficient_attention" if cuda else "flash_attention_for_cpu"
+    line("SDPA kernel", any(want in k for k in ran) and not any("math" in k for k in ran),
+         f"{', '.join(ran) or 'none'} (want {want}, no math)")
+
+    # 4: one train.py step, its peak memory against the plan it prints
+    out = tempfile.mkdtemp()
+    model_arg = save_qwen25_shape(os.path.join(out, "model"), layers) if cuda else "tiny"
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--model", model_arg,
+           "--device", device.type, "--env", "sokoban", "--algo", "ppo", "--num-groups", "2", "--group-size", "4",
+           "--filter-ratio", "1", "--mini-batch-size", "8", "--micro-batch-size", "2", "--max-new-tokens", "16",
+           "--max-turns", "2", "--max-context", "1024", "--val-every", "0", "--collapse-every", "0", "--steps", "1",
+           "--out", os.path.join(out, "run")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    plan = re.search(r"memory plan: ([\d.]+) GB", r.stdout)
+    if r.returncode or plan is None:
+        line("train.py step", False, f"exit {r.returncode}: " + (r.stdout[-800:] + r.stderr[-1500:]).replace("\n", " | "))
+    else:
+        m = json.loads(open(os.path.join(out, "run", "metrics.jsonl")).readline())
+        peak = m.get("perf/max_memory_allocated_gb")
+        line("train.py step", peak is None or peak <= float(plan.group(1)),
+             f"one step in {m['timing_s/step']:.1f} s; peak {'n/a on the CPU' if peak is None else f'{peak:.2f} GB'} "
+             f"(torch.cuda.max_memory_allocated) against the plan's {plan.group(1)} GB")
+
+    # 5: decode speed against the bandwidth floor (CUDA: the paper's 128 rollout rows at context 1024)
+    qwen = qwen25_05b_random(device, torch.bfloat16, layers) if cuda else model
+    batch, context = (128, 1024) if cuda else (8, 64)
+    per_step, floor = time_decode_floor(qwen, batch, context, 32, device, bandwidth)
+    line("decode vs floor", not cuda or floor / per_step >= floor_fraction,
+         f"{batch / per_step:,.0f} tok/s, {floor / per_step:.0%} of the {bandwidth / 1e12:.2f} TB/s floor" +
+         (f" (want >= {floor_fraction:.0%}: without CUDA graphs the kernel launches alone take several times the floor)"
+          if cuda else " (no floor to hold a CPU to)"))
+    return sum(fails)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "window", "decode", "envs", "logprobs"],
+    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "window", "decode", "envs", "logprobs", "step"],
                         help="which measurement (window: the KV-row rebuilds of a context window; not in all)")
     parser.add_argument("--plan", action="store_true", help="print the memory plan of the paper's config on 24 GB, 1 and 8 H100s")
     parser.add_argument("--dry-run", type=int, default=0, metavar="LAYERS", help="one train.py step on the Qwen2.5-0.5B "
@@ -341,18 +520,32 @@ if __name__ == "__main__":
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="decode bench: memory bandwidth, bytes/s")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--env-seeds", type=int, default=1000, help="envs bench: seeds per preset")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side, the sides interleaved (ratios: min over min)")
+    parser.add_argument("--gpu-check", action="store_true", help="PASS / FAIL checks of the GPU path (on the CPU: "
+                        "with the CUDA-graph emulations); exits 1 on any FAIL")
     args = parser.parse_args()
+    if args.gpu_check:
+        raise SystemExit(1 if gpu_check("cuda" if torch.cuda.is_available() else "cpu", bandwidth=args.bandwidth) else 0)
     if args.plan:  # the paper's StarPO-S PPO config: 8 groups x 16, max_context 3600, micro-batch 4, bf16
+        import memplan
         from transformers import Qwen2Config
         cfg = Qwen2Config(**QWEN25_05B)
         for name, gb, kw in [("1 x 24 GB", 24, {}), ("1 x 24 GB, ckpt, micro 1", 24, dict(ckpt=True, micro=1)),
                              ("1 x 24 GB, grpo, ckpt", 24, dict(ckpt=True, critic=False)),
                              ("1 x H100 80 GB", 80, {}), ("1 x H100, --grad-checkpointing", 80, dict(ckpt=True)),
                              ("8 x H100 (per rank)", 80, dict(world=8)), ("8 x H100, --grad-checkpointing", 80, dict(world=8, ckpt=True))]:
-            print_plan(name, cfg, gb, **kw)
+            part = memplan.plan_memory(cfg, **kw)  # train.py --plan prints the same for any flags
+            print(f"{name:34s} " + "  ".join(f"{k} {v / 2**30:5.2f}" for k, v in part.items() if k != "total") +
+                  f"  | total {part['total'] / 2**30:6.2f} GB of {gb} -> "
+                  f"{'fits' if memplan.fits(part['total'], gb * 2**30) else 'does NOT fit'}")
         raise SystemExit
     if args.dry_run:
         dry_run(args.dry_run, args.sampler, "runs/dry-run")
+        raise SystemExit
+    if args.repeats < 1:
+        raise SystemExit("bench.py: --repeats must be >= 1")
+    if args.only == "step":  # train.py processes: the model loads in each
+        time_step(args.model, args.repeats, args.threads)
         raise SystemExit
     if args.only in ("all", "envs"):
         time_envs(args.env_seeds)
@@ -369,15 +562,16 @@ if __name__ == "__main__":
         model, tok = rollout.load_model(args.model, device=args.device, dtype=dtype)
         print(f"load_model({args.model!r}): {time.time() - t:.2f} s")  # 'tiny' was once asserted < 1 s in a test
     if tok is not None and args.only in ("all", "sampler"):
-        time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0)
+        time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0,
+                        args.repeats)
     if tok is not None and args.only in ("all", "kv"):
-        time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
+        time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, args.repeats)
     if tok is not None and args.only == "window":
-        time_windows(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
+        time_windows(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, rounds=args.repeats)
     if tok is not None and args.only == "logprobs":
-        time_logprobs(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens)
+        time_logprobs(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, rounds=args.repeats)
     if args.only == "decode" or (args.only == "all" and args.device.startswith("cuda")):
         time_decode_floor(model, args.batch, args.prompt_len, args.new_tokens, args.device, args.bandwidth)
     if tok is None and args.only in ("all", "sampler"):  # the random-weight model: HF generate on random prompts
         time_ours_vs_hf(model, torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len)).tolist(),
-                        args.new_tokens, args.device)
+                        args.new_tokens, args.device, repeats=args.repeats)

@@ -10,7 +10,7 @@ Three parts, read top to bottom:
      sampling, and the log-prob of each sampled token. It calls the submodules of an HF Llama/Qwen2
      model directly, so it needs a plain (not FSDP-sharded) model. On CUDA the decode step is
      compiled with CUDA graphs (static shapes); on CPU everything runs eager in fp32.
-  3. The agent loop (RAGEN's ctx_manager + es_manager, RAGEN_SPEC.md section 3): prompts, parsing,
+  3. The agent loop (RAGEN's ctx_manager + es_manager): prompts, parsing,
      stepping, penalties, and one token sequence per trajectory, never re-tokenised.
 
   python -c "import rollout, torch; m, t = rollout.load_model('smollm2')"   # converts once, ~35 s
@@ -21,6 +21,8 @@ import os
 import re
 import shutil
 import tempfile
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,14 +77,6 @@ def build_tiny(arch="llama"):
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
-
-
-def save_tiny(path, arch="qwen2"):
-    """Write a tiny model + tokenizer directory, laid out like a hub snapshot (for tests)."""
-    model, tok = build_tiny(arch)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def smollm2_dir():
@@ -186,7 +180,7 @@ def load_model(name, device="cpu", dtype=torch.float32):
 # ----------------------------------------------------------------------------------------------
 # 2. The sampler
 #
-# GPU memory traffic, per decode step of B rows at context S (Qwen2.5-0.5B, bf16; PERF_AND_PEERS 2.2):
+# GPU memory traffic, per decode step of B rows at context S (Qwen2.5-0.5B, bf16):
 # the weights (~0.99 GB with the tied embedding read once as lm_head) plus every live row's K/V
 # (24 layers x 2 x 2 heads x 64 x 2 B = 12 KiB per token) is the floor. Three things keep us near it:
 #  - one K and one V tensor per layer, written in place by index assignment (index_put_ on a graph
@@ -199,14 +193,37 @@ def load_model(name, device="cpu", dtype=torch.float32):
 #    math kernel (fp32 upcast, K/V repeated G=7 times).
 #  - sampling inside the compiled step: Gumbel-max noise is ~13 int64 ops and a log_softmax over
 #    [B, V=151,936]; fused, it is one pass over the logits instead of ~23 eager passes.
-# The host never waits for the GPU inside a turn except every DONE_CHECK_EVERY tokens.
+# The host never waits for the GPU inside a turn except every `check_every` tokens.
+# CUDA graphs have two rules the code below keeps (bench.py emulates both on the CPU, and the tests run every
+# compiled path under the emulations): a compiled call's outputs live in buffers that the next compiled call
+# reuses, so each output is cloned before anything else runs (as gpt-fast's generate.py does); and a graph
+# with a CPU tensor input is run without CUDA graphs, so no Python float goes into a compiled call (dynamo
+# turns one whose value changes, like the temperature between validation and training, into a CPU tensor).
 
-STATIC = None            # fixed batch, capacity and key-length buckets (CUDA graphs): None = exactly on CUDA
-COMPILE = None           # torch.compile backend for the static path: None = "inductor" on CUDA, eager on CPU;
-                         # the tests force "inductor" on the CPU so the compiled path runs there too
-DONE_CHECK_EVERY = None  # tokens between host checks of "all rows done": None = 8 on CUDA, 1 on CPU
 _POOL = {}               # the one static KV pool: {"kv": (k_list, v_list)}; replaced, never duplicated
 _COMPILED = {}
+
+
+class Sampler(NamedTuple):
+    """How the sampler runs. static: fixed batch, capacity and key-length buckets (what CUDA graphs need);
+    compile: a torch.compile backend for the static path's sampler and decode step, None = eager ("inductor"
+    on CUDA means mode="reduce-overhead": CUDA graphs; bench.py's emulations are backends too);
+    check_every: decode tokens between host checks of "all rows done" (each check is a device sync)."""
+    static: bool = False
+    compile: object = None
+    check_every: int = 1
+
+
+def sampler_settings(device, name="auto"):
+    """train.py's --sampler: eager, static (fixed shapes, eager), compiled (static + torch.compile'd decode step)
+    or auto (compiled on CUDA, eager elsewhere). All of them sample the same tokens."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "compiled" if device.type == "cuda" else "eager"
+    if name not in ("eager", "static", "compiled"):
+        raise ValueError(f"sampler {name!r}: need auto, eager, static or compiled")
+    return Sampler(static=name != "eager", compile="inductor" if name == "compiled" else None,
+                   check_every=8 if device.type == "cuda" else 1)
 
 
 class KVCache:
@@ -263,9 +280,17 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     pos = lens[:, None] + torch.arange(T, device=ids.device)                    # [B, T] slot = RoPE position
     slot = pos.clamp(max=k_cache[0].shape[2] - 1)                               # overflow -> scratch slot
     row = torch.arange(B, device=ids.device)[:, None]                           # [B, 1]
-    mask = (torch.arange(end, device=ids.device) <= pos[:, :, None])[:, None]   # [B, 1, T, end] causal + own row
     h = m.embed_tokens(ids)                                                     # [B, T, d]
     cos, sin = m.rotary_emb(h, pos)
+    # The mask, built once for every layer: causal + own row, folded like the queries (row g*T+t is query t of
+    # head g), additive in the compute dtype so SDPA does not convert a bool mask in each layer. SDPA kernels: an
+    # explicit mask rules out flash on CUDA; the memory-efficient kernel takes it (bench.py --gpu-check says which
+    # ran), else math (fp32 scores, [G*T, end] per head materialised). The CPU takes its fused flash kernel.
+    a0 = m.layers[0].self_attn
+    G = a0.q_proj.out_features // a0.k_proj.out_features                       # query heads per KV head
+    allowed = torch.arange(end, device=ids.device) <= pos[:, :, None]           # [B, T, end]
+    mask = torch.zeros(B, 1, T, end, dtype=h.dtype, device=ids.device).masked_fill_(~allowed[:, None], float("-inf"))
+    mask = mask.repeat(1, 1, G, 1) if G > 1 else mask                          # [B, 1, G*T, end]
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
@@ -276,17 +301,21 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, D], [B, KV, T, D]
         KV = k.shape[1]
-        G = q.shape[1] // KV
         k_cache[i][row, :, slot] = k.transpose(1, 2)                            # in place: [B, T, KV, D] at (b, :, slot)
         v_cache[i][row, :, slot] = v                                            # v is still [B, T, KV, D]
         qf = q.reshape(B, KV, G * T, a.head_dim)                                # [B, KV, G*T, D] head kv*G+g -> row g*T+t
-        mf = mask.expand(B, 1, T, end).repeat(1, 1, G, 1) if G > 1 else mask     # [B, 1, G*T, end]
-        o = F.scaled_dot_product_attention(qf, k_cache[i][:, :, :end], v_cache[i][:, :, :end], attn_mask=mf,
+        o = F.scaled_dot_product_attention(qf, k_cache[i][:, :, :end], v_cache[i][:, :, :end], attn_mask=mask,
                                            scale=a.scaling)                     # [B, KV, G*T, D]
         h = h + a.o_proj(o.view(B, -1, T, a.head_dim).transpose(1, 2).reshape(B, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     last = h[torch.arange(B, device=ids.device), (n - 1).clamp(min=0)]          # [B, d] only these need logits
-    return model.lm_head(m.norm(last)).float()                                  # [B, V]
+    # fp32 logits: bf16 ones are 0.125 apart in [16, 32), and the sampled log-probs would inherit that. On CUDA
+    # the bf16 GEMM writes fp32 itself (mm's out_dtype: no autograd, fine here); an fp32 copy of the [V, d] weight
+    # every decode step would more than double its memory traffic
+    h, w = m.norm(last), model.lm_head.weight                                   # [B, d], [V, d]
+    if h.is_cuda and h.dtype != torch.float32:
+        return torch.mm(h, w.t(), out_dtype=torch.float32)                      # [B, V]
+    return F.linear(h.float(), w.float())                                       # [B, V]
 
 
 _M = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # splitmix64 constants, as int64
@@ -309,9 +338,10 @@ def row_keys(*columns):
     return k
 
 
-def sample_next(logits, keys, temperature=1.0, top_p=1.0, greedy=False):
+def sample_next(logits, keys, temperature=1.0, top_p=None, greedy=False):
     """One token per row, and its log-prob under softmax(logits / temperature) (before top-p, which is
     what the trainer recomputes). logits [B, V], keys [B] int64 on logits' device -> (tokens [B], logp [B]).
+    temperature, top_p: numbers or 0-d tensors; top_p None = no nucleus.
     The draw is Gumbel-max with noise that is a pure function of (key, vocab index), a counter-based RNG:
     a trajectory's samples do not depend on its batch, its rank, its cache path or a resumed run."""
     logp = torch.log_softmax(logits / temperature, dim=-1)                      # [B, V]
@@ -322,7 +352,7 @@ def sample_next(logits, keys, temperature=1.0, top_p=1.0, greedy=False):
         x = mix64(mix64(keys)[:, None] + torch.arange(V, device=logp.device) * _M[0])  # [B, V]
         u = ((x & 0xFFFFFF).float() + 0.5) / 2 ** 24                            # [B, V] uniform in (0, 1)
         score = logp - torch.log(-torch.log(u))                                 # [B, V] logp + Gumbel noise
-        if top_p < 1.0:  # nucleus: keep the smallest top set whose mass reaches top_p
+        if top_p is not None:  # nucleus: keep the smallest top set whose mass reaches top_p
             p, i = logp.exp().sort(-1, descending=True)
             outside = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, i, p.cumsum(-1) - p >= top_p)
             score = score.masked_fill(outside, float("-inf"))
@@ -338,29 +368,103 @@ def decode_step(model, k_cache, v_cache, lens, ids, n, end, keys, temperature, t
     return sample_next(forward_cached(model, k_cache, v_cache, lens, ids, n, end), keys, temperature, top_p, greedy)
 
 
-def compiled(fn, device):
-    """fn as the static path runs it: on CUDA torch.compile(inductor, mode="reduce-overhead": CUDA graphs);
-    with COMPILE set, compiled with that backend on any device (no CUDA graphs off CUDA); else eager.
+def compiled(fn, backend, device):
+    """fn as the static path runs it: torch.compile'd with `backend` (None: fn itself, eager); "inductor" on CUDA
+    with mode="reduce-overhead" (CUDA graphs). Every output is cloned as the call returns: it lives in the graph's
+    static buffers, which the next compiled call overwrites (with CUDA graph trees, frees) before it runs.
     Shapes are fixed except the key length `end`, which comes in buckets of 128: dynamo makes it symbolic
     after its second value (one recompile) and CUDA graph trees record one graph per bucket."""
-    backend = COMPILE or ("inductor" if device.type == "cuda" else None)
     if backend is None:
         return fn
     if (fn, backend) not in _COMPILED:
-        if device.type == "cuda":
-            _COMPILED[fn, backend] = torch.compile(fn, backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+        if device.type == "cuda" and backend == "inductor":
+            c = torch.compile(fn, backend=backend, mode="reduce-overhead")
         else:  # inductor's vectorised C++ int64 multiply corrupts memory in torch 2.13 (the hash in sample_next)
-            opts = {"cpp.simdlen": 1} if backend == "inductor" else None
-            _COMPILED[fn, backend] = torch.compile(fn, backend=backend, options=opts)
+            c = torch.compile(fn, backend=backend, options={"cpp.simdlen": 1} if backend == "inductor" else None)
+        _COMPILED[fn, backend] = lambda *args: tuple(x.clone() for x in c(*args))
     return _COMPILED[fn, backend]
 
 
+def shared_prefixes(prompts):
+    """The prefix tree of a batch of fresh prompts (token lists; empty = idle row), so that each span several rows
+    share is prefilled once: first the longest common prefix of all rows (the system prompt and instructions),
+    then of each set of rows that agree on the next token (a group's identical prompt, up to its board), and so
+    on. Every row keeps at least its last token to itself (its logits are needed). Returns (nodes, saved): nodes
+    are (parent, start, end, rows) in breadth-first order (parents first, each depth contiguous); the rows (2 or
+    more) share tokens [0, end) and the parent node holds [0, start) (-1: none, start 0). saved[i]: the prompt
+    tokens whose K/V row i gets copied instead of computed (every row of a node but its first)."""
+    nodes, saved = [], [0] * len(prompts)
+    todo = [(-1, 0, [i for i, p in enumerate(prompts) if p])]  # (parent, start, rows) still to split
+    while todo:
+        parent, start, rows = todo.pop(0)
+        first, end = prompts[rows[0]], min(len(prompts[r]) for r in rows) - 1
+        for r in rows[1:]:
+            p, j = prompts[r], start
+            while j < end and p[j] == first[j]:
+                j += 1
+            end = j
+        if end > start:
+            nodes.append((parent, start, end, rows))
+            parent = len(nodes) - 1
+            for r in rows[1:]:
+                saved[r] += end - start
+        split = {}  # rows that go on past `end`, by their next token
+        for r in rows:
+            if len(prompts[r]) - 1 > end:
+                split.setdefault(prompts[r][end], []).append(r)
+        todo += [(parent, end, rs) for rs in split.values() if len(rs) > 1]
+    return nodes, saved
+
+
+def prefill_shared(model, cache, prompts, nodes, end):
+    """Prefill fresh rows (cache.lens all 0) with prompts, each span of `nodes` (shared_prefixes) computed once.
+    One forward per depth of the tree on a cache with a row per node, whose row starts as a copy of its parent's;
+    then every row copies its deepest node's K/V and appends the rest of its own prompt. cache.lens is left to
+    the caller. end: keys to attend to (>= the longest prompt). Returns the next-token logits [R, V]."""
+    dev, R = cache.lens.device, len(cache.lens)
+    top = max(e for _, _, e, _ in nodes)
+    tree = KVCache(model, len(nodes), top + 1)  # row j: node j's tokens [0, end_j)
+    depth = []
+    for parent, *_ in nodes:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    for d in range(depth[-1] + 1):
+        a, b = depth.index(d), len(depth) - depth[::-1].index(d)  # nodes a..b-1 are this depth's
+        level = nodes[a:b]
+        if d > 0:  # a child starts from its parent's K/V (copied past `start` too: overwritten before it is read)
+            S = max(s for _, s, _, _ in level)
+            par = torch.tensor([p for p, _, _, _ in level], device=dev)
+            for x in tree.k + tree.v:
+                x[a:b, :, :S] = x[par, :, :S]
+        T = max(e - s for _, s, e, _ in level)
+        ids = torch.tensor([prompts[rs[0]][s:e] + [0] * (T - e + s) for _, s, e, rs in level], device=dev)  # [b-a, T]
+        lens = torch.tensor([s for _, s, _, _ in level], device=dev)                                      # [b-a]
+        forward_cached(model, [x[a:b] for x in tree.k], [x[a:b] for x in tree.v], lens, ids,
+                       torch.tensor([e - s for _, s, e, _ in level], device=dev), max(e for _, _, e, _ in level))
+    leaf = [-1] * R  # the deepest node holding each row (nodes are in breadth-first order)
+    for j, (_, _, _, rs) in enumerate(nodes):
+        for r in rs:
+            leaf[r] = j
+    pre = [nodes[j][2] if j >= 0 else 0 for j in leaf]                          # tokens row r gets by copy
+    held = [r for r in range(R) if leaf[r] >= 0]
+    src, dst = torch.tensor([leaf[r] for r in held], device=dev), torch.tensor(held, device=dev)
+    for big, small in zip(cache.k + cache.v, tree.k + tree.v):
+        big[dst, :, :top] = small[src, :, :top]
+    rest = [list(p[k:]) for p, k in zip(list(prompts) + [[]] * (R - len(prompts)), pre)]
+    T = max(1, max(len(x) for x in rest))
+    ids = torch.tensor([x + [0] * (T - len(x)) for x in rest], device=dev)     # [R, T] right-padded
+    return forward_cached(model, cache.k, cache.v, torch.tensor(pre, device=dev), ids,
+                          torch.tensor([len(x) for x in rest], device=dev), end)
+
+
 @torch.no_grad()  # not inference_mode: the outputs feed autograd later
-def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperature=1.0, top_p=1.0, greedy=False):
+def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperature=1.0, top_p=1.0, greedy=False,
+                sampler=Sampler(), share=True):
     """Append new_ids[b] to cache row b, then sample up to max_new_tokens per row, each row stopping at a
     stop token or its budget. An empty new_ids[b] marks an idle row; cache rows past len(new_ids) idle too.
     Returns per-row lists of sampled tokens and their log-probs. keys [A] int64: one sampling key per row
-    (the t-th draw uses key + t). The last sampled token is not in the cache (the next turn appends it)."""
+    (the t-th draw uses key + t). The last sampled token is not in the cache (the next turn appends it).
+    sampler: how to run (Sampler); its static must match the cache's. share: prefill the prefixes that fresh
+    rows share once (shared_prefixes); False computes every row's prompt (the reference the tests compare to)."""
     dev, A, R = cache.lens.device, len(new_ids), len(cache.lens)
     new_ids = list(new_ids) + [[]] * (R - A)                                    # static pool: extra rows idle
     T = max(1, max(len(x) for x in new_ids))
@@ -370,14 +474,9 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
     hi = max(live) if live else 1                                               # longest live row after the append
     cache.ensure(hi + max_new_tokens)   # idle rows (finished episodes with long histories) never size the cache
     keys = torch.cat([torch.as_tensor(keys, dtype=torch.long), torch.zeros(R - A, dtype=torch.long)]).to(dev)  # [R]
-    uniq = {}
-    src = [uniq.setdefault(tuple(x), len(uniq)) for x in new_ids]
-    if not bool(cache.lens.any()) and len(uniq) < R:  # fresh rows sharing a prompt (a group): prefill once, copy
-        first = [src.index(u) for u in range(len(uniq))]
-        small = KVCache(model, len(first), T + 1)
-        logits = forward_cached(model, small.k, small.v, small.lens, ids[first], n[first], T)[src]
-        for big, sm in zip(cache.k + cache.v, small.k + small.v):
-            big[:, :, :T] = sm[src, :, :T]
+    nodes = shared_prefixes(new_ids)[0] if share and not bool(cache.lens.any()) else None
+    if nodes:  # fresh rows whose prompts share prefixes (a preset's instructions, a group's prompt): each once
+        logits = prefill_shared(model, cache, new_ids, nodes, hi)
     else:
         logits = forward_cached(model, cache.k, cache.v, cache.lens, ids, n, hi)   # [R, V]
     cache.lens += n
@@ -386,10 +485,12 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
     out_lp = torch.zeros(R, max_new_tokens, device=dev)                         # [R, N]
     count = torch.zeros(R, dtype=torch.long, device=dev)                        # [R] tokens sampled so far
     done = n == 0                                                               # [R]
-    fast = cache.static  # fixed shapes: compile the sampler and the decode step (on CUDA, or when forced)
-    sample, step = (compiled(sample_next, dev), compiled(decode_step, dev)) if fast else (sample_next, decode_step)
-    every = DONE_CHECK_EVERY or (8 if dev.type == "cuda" else 1)
-    tok, lp = sample(logits, keys, temperature, top_p, greedy)
+    backend = sampler.compile if cache.static else None  # only fixed shapes are compiled
+    sample, step = compiled(sample_next, backend, dev), compiled(decode_step, backend, dev)
+    every = sampler.check_every
+    temp = torch.tensor(float(temperature), device=dev)                        # [] device tensors, never a Python
+    nucleus = None if top_p >= 1.0 else torch.tensor(float(top_p), device=dev)  # float: see "CUDA graphs" above
+    tok, lp = sample(logits, keys, temp, nucleus, greedy)
     for t in range(max_new_tokens):
         out[:, t], out_lp[:, t] = tok, lp
         count += (~done).long()
@@ -398,8 +499,7 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
             break
         fed = (~done).long()                                                    # finished rows idle
         end = hi + 1 if not cache.static else min(cache.k[0].shape[2], (hi // 128 + 1) * 128)  # buckets: few graphs
-        tok, lp = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end, keys + (t + 1), temperature, top_p, greedy)
-        tok, lp = tok.clone(), lp.clone()  # CUDA-graph outputs are overwritten by the next replay
+        tok, lp = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end, keys + (t + 1), temp, nucleus, greedy)
         cache.lens += fed
         hi += 1
     count, out, out_lp = count.tolist(), out.tolist(), out_lp.tolist()
@@ -412,41 +512,23 @@ def static_capacity(need):
 
 
 def generate(model, prompts, max_new_tokens, stop_ids=(), attention_mask=None, temperature=1.0, top_p=1.0,
-             greedy=False, seed=0):
+             greedy=False, seed=0, sampler=None, share_prefixes=True):
     """Single-turn sampling. prompts: list of token lists, or a [B, P] tensor padded on either side with
-    its attention_mask. Returns (tokens, logps): per-row lists, each ending at its stop token if any."""
+    its attention_mask. Returns (tokens, logps): per-row lists, each ending at its stop token if any.
+    sampler: a Sampler (default: sampler_settings of the model's device)."""
     if torch.is_tensor(prompts):
         mask = torch.ones_like(prompts, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         prompts = [row[m].tolist() for row, m in zip(prompts, mask)]
-    static = model.lm_head.weight.is_cuda if STATIC is None else STATIC
+    sampler = sampler or sampler_settings(model.lm_head.weight.device)
     need = max(len(p) for p in prompts) + max_new_tokens + 1
-    cache = KVCache(model, len(prompts), static_capacity(need) if static else need, static=static)
+    cache = KVCache(model, len(prompts), static_capacity(need) if sampler.static else need, static=sampler.static)
     keys = row_keys([seed] * len(prompts), range(len(prompts)))
-    return sample_turn(model, cache, prompts, max_new_tokens, stop_ids, keys, temperature, top_p, greedy)
+    return sample_turn(model, cache, prompts, max_new_tokens, stop_ids, keys, temperature, top_p, greedy, sampler,
+                       share_prefixes)
 
-
-@torch.no_grad()
-def reference_generate(model, prompts, max_new_tokens, stop_ids=()):
-    """Slow greedy oracle for tests: a full forward over the whole left-padded batch at every step."""
-    seqs, done = [list(p) for p in prompts], [False] * len(prompts)
-    out = [[] for _ in prompts]
-    for _ in range(max_new_tokens):
-        L = max(len(s) for s in seqs)
-        ids = torch.tensor([[0] * (L - len(s)) + s for s in seqs])
-        mask = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs])
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].argmax(-1).tolist()
-        for b, t in enumerate(nxt):
-            if not done[b]:
-                out[b].append(t)
-                seqs[b].append(t)
-                done[b] = t in stop_ids
-        if all(done):
-            break
-    return out
 
 # ----------------------------------------------------------------------------------------------
-# 3. The agent loop (RAGEN_SPEC.md section 3)
+# 3. The agent loop (RAGEN's ctx_manager + es_manager)
 
 SYSTEM = "You're a helpful assistant. "  # RAGEN ctx_manager system prompt (trailing space included)
 FORMATS = {True: "<think> [Your thoughts] </think> <answer> [your answer] </answer>",
@@ -539,8 +621,9 @@ def step_env(env, actions, budget):
 
 def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
             temperature=1.0, top_p=1.0, greedy=False, think=True, max_context=4096, format_penalty=-0.1,
-            kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None):
-    """Play B = num_groups * group_size episodes at once; one token sequence per episode (see DESIGN.md 3).
+            kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None, sampler=None,
+            share_prefixes=True, respond=None):
+    """Play B = num_groups * group_size episodes at once; one token sequence per episode.
     The sampling noise of a token is a pure function of (sample_seed, the episode's env seed, its index in
     the group, the turn, the token's index in the turn): the same episodes sample the same tokens whatever
     the batch, the number of ranks, the cache path, or a resume.
@@ -553,7 +636,12 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     Rows then outnumber episodes: `episode` [R] says which episode each row belongs to. When the prompt stops
     being an extension of what the KV cache row holds (a window drops a turn; single_turn from turn 2 on), the
     row is re-prefilled from slot 0; stats count prefill_tokens and context_rebuilds per episode.
-    progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar)."""
+    share_prefixes: rows prefilled from slot 0 together compute each prompt prefix they share once and copy its
+    K/V (rollout.shared_prefixes); stats' prefill_saved counts the prompt tokens each row got by copy.
+    progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar).
+    sampler: a Sampler (default: sampler_settings of the model's device).
+    respond(b, env), if given, writes episode b's answer (the text after the forced tag) in place of sampling: the
+    model is not run, and the answer is laid out as a sampled one that stopped (sft.py's demonstrations)."""
     B = len(envs)
     if len(seeds) != B or group_size < 1 or B % group_size:
         raise ValueError(f"need one seed per env and B={B} divisible by group_size={group_size}")
@@ -580,7 +668,7 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     turn_ends, turn_rewards, responses = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
     penalty, success, finished = [0.0] * B, [False] * B, [False] * B
     keys = ("num_turns", "num_actions", "valid_actions", "invalid_actions", "effective_actions", "format_errors",
-            "context_truncated", "response_tokens", "think_tokens", "prefill_tokens", "context_rebuilds")
+            "context_truncated", "response_tokens", "think_tokens", "prefill_tokens", "prefill_saved", "context_rebuilds")
     stats = {k: [0] * B for k in keys}
     extras = [{} for _ in range(B)]   # numeric env info keys -> list of values
     states, users, answers = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # per turn
@@ -608,7 +696,8 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             return enc(head + preset["instruction"] + retell(b, first_shown, t) + users[b][t - 1] + gen + forced)
         return enc(user_head + f"Reward:\n{turn_rewards[b][t - 2]}\n" + users[b][t - 1] + gen + forced)
 
-    static = model.lm_head.weight.is_cuda if STATIC is None else STATIC  # fixed batch/capacity: one graph
+    sampler = sampler or sampler_settings(model.lm_head.weight.device)
+    static = sampler.static  # fixed batch/capacity: one graph
     cache, rows = None, list(range(B))     # rows[i] = episode held in cache row i
     for turn in range(1, max_turns + 1):
         if progress is not None:
@@ -655,10 +744,17 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
                 cache.lens[i] = 0
         lens = cache.lens.tolist()
         todo = [conv[b][lens[i]:] if b in new else [] for i, b in enumerate(rows)]
+        saved = shared_prefixes(todo)[1] if share_prefixes and not any(lens) else [0] * len(rows)  # as sample_turn shares
         for i, b in enumerate(rows):
             stats["prefill_tokens"][b] += len(todo[i])
+            stats["prefill_saved"][b] += saved[i]
         keys = row_keys([sample_seed] * len(rows), [seeds[b] for b in rows], [b % group_size for b in rows], [turn] * len(rows))
-        toks, lps = sample_turn(model, cache, todo, max_new_tokens, stop_ids, keys, temperature, top_p, greedy)
+        if respond is None:
+            toks, lps = sample_turn(model, cache, todo, max_new_tokens, stop_ids, keys, temperature, top_p, greedy,
+                                    sampler, share_prefixes)
+        else:  # scripted: the text's tokens and the stop token a sampled answer ends with (mask 1, log-prob 0)
+            toks = [enc(respond(b, envs[b])) + close_ids[:1] if b in new else [] for b in rows]
+            lps = [[0.0] * len(t) for t in toks]
 
         for i, b in enumerate(rows):
             if b not in new:
