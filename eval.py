@@ -7,7 +7,7 @@ Evaluate a model or a trained checkpoint on fixed validation seeds, and plot a r
     python eval.py --plot runs/Bandit-ppo-xyz                            # -> runs/Bandit-ppo-xyz/curves.png
     python eval.py --plot runs/A runs/B --out ab.png                    # two runs overlaid, with a legend
 
-RAGEN's validation protocol (RAGEN_SPEC §4.5): seeds 123, 124, ... one group of one env per seed, sampling
+RAGEN's validation protocol (its config's seed.val = 123): seeds 123, 124, ... one group of one env per seed, sampling
 at temperature 0.5, the training budgets of turns and actions. With --samples k every seed becomes a group of
 k episodes from the same initial state, and pass@j (j <= k) uses the unbiased estimator of the Codex paper.
 Episodes are played by rollout.rollout(), the same agent loop that training uses; this file only counts.
@@ -28,7 +28,8 @@ import env_sokoban
 import env_webshop
 from rollout import load_model, rollout
 
-# every preset of every env file, plus short names (the same lookup as train.py, duplicated on purpose)
+# every preset of every env file, plus short names. train.py takes the presets and the agent settings below from
+# here, so a run's validation and eval.py play episodes with the same settings
 ENV_CLASSES = {}
 for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, env_sokoban),
                    (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop),
@@ -37,26 +38,43 @@ for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, 
         ENV_CLASSES[_name] = (_cls, _preset)
 SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop",
                "countdown": "Countdown"}
-# flags a run directory's args.json provides as defaults (its validation settings become ours)
+AGENT_DEFAULTS = dict(max_turns=5, max_actions_per_turn=5, max_context=3600)  # unless the preset fixes them (RAGEN's env configs)
+# train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
+# (validation samples at --val-temperature, keyed by the run's --seed)
 FROM_RUN = dict({k: k for k in ("no_think", "max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens",
-                                 "max_context", "format_penalty", "val_seed")}, temperature="val_temperature", env="val_env")
-DEFAULTS = dict(no_think=False, max_actions_per_traj=None, max_new_tokens=400,
-                format_penalty=-0.1, temperature=0.5, val_seed=123, env=None)
-AGENT_DEFAULTS = dict(max_turns=5, max_actions_per_turn=5, max_context=3600)  # unless the preset fixes them (as train.py)
+                                 "max_context", "format_penalty", "top_p", "no_kv_reuse", "max_context_window",
+                                 "context_window_mode", "val_seed")}, temperature="val_temperature", env="val_env",
+                sample_seed="seed")
+DEFAULTS = dict(no_think=False, max_actions_per_traj=None, max_new_tokens=400, format_penalty=-0.1, temperature=0.5,
+                top_p=1.0, no_kv_reuse=False, max_context_window=-1, context_window_mode="full", val_seed=123,
+                sample_seed=0, env=None)
+
+
+def preset_name(name):
+    """'sokoban' -> 'SimpleSokoban'; preset names are matched case-insensitively. ValueError for an unknown one."""
+    name = SHORT_NAMES.get(name.lower(), name)
+    for known in ENV_CLASSES:
+        if known.lower() == name.lower():
+            return known
+    raise ValueError(f"unknown env or preset {name!r}; choose from {sorted(SHORT_NAMES)} or {sorted(ENV_CLASSES)}")
+
+
+def agent_settings(preset_key, a):
+    """rollout()'s settings for one preset from train.py's flag values (a: dict, e.g. vars(args) or a run's
+    args.json): the preset with --max-actions-per-traj, the turn / action / token / context budgets (None: the
+    preset's, else AGENT_DEFAULTS), think mode, top-p, format penalty, KV reuse, the sampling-key seed and the
+    context window. The caller adds group_size, temperature and the per-call arguments."""
+    preset = ENV_CLASSES[preset_key][1]
+    budget = {k: a[k] if a.get(k) is not None else preset.get(k, v) for k, v in AGENT_DEFAULTS.items()}
+    return dict(preset=dict(preset, max_actions_per_traj=a["max_actions_per_traj"] or preset["max_actions_per_traj"]),
+                **budget, max_new_tokens=a["max_new_tokens"], top_p=a["top_p"], think=not a["no_think"],
+                format_penalty=a["format_penalty"], kv_reuse=not a["no_kv_reuse"], sample_seed=a["sample_seed"],
+                window=a["max_context_window"], window_mode=a["context_window_mode"])
 
 
 def die(msg):
     print(f"eval.py: {msg}", file=sys.stderr)
     sys.exit(2)
-
-
-def preset_name(name):
-    """'sokoban' -> 'SimpleSokoban'; preset names are matched case-insensitively."""
-    name = SHORT_NAMES.get(name.lower(), name)
-    for known in ENV_CLASSES:
-        if known.lower() == name.lower():
-            return known
-    die(f"unknown env or preset {name!r}; choose from {sorted(SHORT_NAMES)} or {sorted(ENV_CLASSES)}")
 
 
 def pass_at_k(n, c, k):
@@ -145,7 +163,10 @@ def evaluate(args):
             setattr(args, k, v)
     if not args.env:
         die("give --env (a preset or short name); only a run directory provides a default")
-    presets = [preset_name(e) for e in args.env]
+    try:
+        presets = [preset_name(e) for e in args.env]
+    except ValueError as e:
+        die(str(e))
     if args.samples < 1 or args.num_seeds < 1 or args.temperature <= 0:
         die("--samples and --num-seeds must be >= 1 and --temperature > 0")
     if args.out is None:
@@ -168,20 +189,15 @@ def evaluate(args):
     rows = {}
     for key in presets:
         cls, preset = ENV_CLASSES[key]
-        preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
-        loop = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, v) for k, v in AGENT_DEFAULTS.items()}
+        settings = agent_settings(key, vars(args))
         groups_per_call = max(1, args.batch_size // args.samples)  # bounded KV-cache memory
         records, t0, envs = [], time.time(), []
         for g0 in range(0, args.num_seeds, groups_per_call):
             gs = range(g0, min(g0 + groups_per_call, args.num_seeds))
             seeds = [args.val_seed + g for g in gs for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
-            out = rollout(model, tok, envs[:len(seeds)], seeds, preset, group_size=args.samples,
-                          max_turns=loop["max_turns"], max_actions_per_turn=loop["max_actions_per_turn"],
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          greedy=args.greedy, think=not args.no_think, max_context=loop["max_context"],
-                          format_penalty=args.format_penalty, kv_reuse=not args.no_kv_reuse, sample_seed=args.sample_seed,
-                          split=args.split if cls is env_webshop.WebShopEnv else None)
+            out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
+                          greedy=args.greedy, split=args.split if cls is env_webshop.WebShopEnv else None, **settings)
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
         elapsed = time.time() - t0
         with open(os.path.join(args.out, f"{key}.jsonl"), "w") as f:
@@ -275,9 +291,9 @@ def main(argv=None):
     p.add_argument("--val-seed", type=int, default=None, help="first seed (RAGEN seed.val = 123)")
     p.add_argument("--samples", type=int, default=1, help="episodes per seed, for pass@k")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (RAGEN val: 0.5)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0; a run dir: its own)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
-    p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler's random draws")
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of the sampler's random draws (default 0; a run dir: its --seed)")
     p.add_argument("--no-think", action="store_true", default=None, help="answer-only mode (enable_think=False)")
     p.add_argument("--think", dest="no_think", action="store_false", help="thinking on, overriding a run's --no-think")
     p.add_argument("--max-turns", type=int, default=None, help="default 5 or the preset's (Bandit 1, WebShop 9); a run dir: its own value")
@@ -286,7 +302,10 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None, help="response tokens per turn, default 400")
     p.add_argument("--max-context", type=int, default=None, help="default 3600 (WebShop 15000)")
     p.add_argument("--format-penalty", type=float, default=None, help="default -0.1")
-    p.add_argument("--no-kv-reuse", action="store_true")
+    p.add_argument("--no-kv-reuse", action="store_true", default=None, help="re-prefill every turn instead of extending the KV cache")
+    p.add_argument("--max-context-window", type=int, default=None, help="show only the last k turns (default -1: all; a run dir: its own)")
+    p.add_argument("--context-window-mode", default=None, choices=["full", "limited_multi_turn", "single_turn"],
+                   help="how a window lays out the context (default full; a run dir: its own)")
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")
     p.add_argument("--batch-size", type=int, default=128, help="episodes per rollout call (memory only)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")

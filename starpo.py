@@ -72,8 +72,8 @@ def gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0):
     """GAE over the policy's own tokens in order. rewards, values, mask: [B, T]. Returns raw
     (advantages, returns) [B, T]; RAGEN/veRL then whiten the advantages over the batch's masked
     tokens: call masked_whiten. With gamma = lam = 1 and one terminal reward R, A_t = R - V_t.
-    Differs from veRL compute_gae_advantage_return (which steps through every position, so with
-    gamma or lam < 1 observation tokens count as time steps); identical for RAGEN's gamma = lam = 1."""
+    As veRL compute_gae_advantage_return (0.9.1), positions with mask 0 (observations, template, padding)
+    are skipped: they carry the next value and the running advantage through unchanged and are no time step."""
     _check_rewards_on_mask(rewards, mask)
     return _masked_gae(rewards.float(), values.float(), mask, gamma, lam)
 
@@ -92,9 +92,12 @@ def bi_level_gae(rewards, values, mask, gamma=1.0, lam=1.0, high_level_gamma=0.9
     return _masked_gae(rewards, values, mask, gamma, lam, reset=turn_end)
 
 def _group_std(x):
-    """Unbiased std along the last dim; 0 (not NaN) for a group of one."""
+    """Unbiased std along the last dim; 0 (not NaN) for a group of one. Shifted by each group's first value, so a
+    constant group gives exactly 0 as torch.std does (x - mean(x) is not 0 in fp32 when the mean rounds, e.g. for
+    eight scores of -0.1, and a 1e-8 std would survive include_zero=False)."""
     n = x.shape[-1]
-    return ((x - x.mean(-1, keepdim=True)) ** 2).sum(-1).div(max(n - 1, 1)).sqrt()
+    d = x - x[..., :1]  # [..., n] exactly 0 in a constant group
+    return ((d - d.mean(-1, keepdim=True)) ** 2).sum(-1).div(max(n - 1, 1)).sqrt()
 
 def group_advantages(scores, group, kind="grpo", eps=1e-6):
     """Outcome advantages from each row's group (veRL core_algos; RAGEN-2 agent_trainer.compute_advantage).
@@ -122,17 +125,18 @@ def group_advantages(scores, group, kind="grpo", eps=1e-6):
 
 @torch.no_grad()
 def reinforce_pp_advantages(rewards, mask, gamma=1.0):
-    """REINFORCE++ (veRL compute_reinforce_plus_plus_outcome_advantage): the discounted reward-to-go over every
-    position, reset to 0 after each position with mask 0, whitened over the batch's masked tokens.
-    rewards, mask [B, T] -> (advantages, returns) [B, T]. In a multi-turn row the reset happens at every
-    observation token, so only the turn that holds a reward sees it: veRL's rule on RAGEN's token layout."""
-    m = mask.float()
+    """REINFORCE++ (veRL compute_reinforce_plus_plus_outcome_advantage, 0.9.1): the discounted reward-to-go over
+    the policy's own tokens, whitened over the batch's masked tokens. rewards, mask [B, T] -> (advantages,
+    returns) [B, T], both 0 off the mask. Positions with mask 0 (observations, template) carry the running
+    return through unchanged and are no time step, as in gae_advantages: every turn of a multi-turn row is
+    credited with the rewards of the turns after it, not only the turn that holds a reward."""
+    _check_rewards_on_mask(rewards, mask)
+    m = mask.bool()
     returns, run = torch.zeros_like(rewards, dtype=torch.float32), rewards.new_zeros(rewards.shape[0]).float()
     for t in reversed(range(rewards.shape[1])):
-        run = rewards[:, t].float() + gamma * run  # [B]
-        returns[:, t] = run
-        run = run * m[:, t]
-    return masked_whiten(returns, m), returns
+        run = torch.where(m[:, t], rewards[:, t].float() + gamma * run, run)  # [B]
+        returns[:, t] = run * m[:, t]
+    return masked_whiten(returns, m.float()), returns
 
 def normalize_scores(scores, group_size, grouping="state", method="identity", tags=None):
     """RAGEN ctx_manager._normalize_score_tensor on per-trajectory scores [B] (penalty already added).
@@ -261,7 +265,8 @@ def aggregate(x, mask, agg="token-mean", token_count=None, seq_count=None):
     token-mean: sum over local tokens / token_count (pass the all-reduced count over ranks and micro-
     batches so that the sum of the per-micro-batch losses is the global token mean; default: local).
     seq-mean-token-sum / seq-mean-token-mean: per-row token sum / token mean, summed over rows and divided
-    by seq_count (the global number of rows; default local B). Empty rows count 0, never NaN."""
+    by seq_count (pass the global number of rows with a loss token; default: the local rows that have one, as
+    veRL averages over rows with a loss token). Empty rows add 0; no row at all gives 0, never NaN."""
     mask = mask.to(x.dtype)
     if agg == "token-mean":
         n = mask.sum() if token_count is None else torch.as_tensor(token_count, dtype=x.dtype)
@@ -271,7 +276,8 @@ def aggregate(x, mask, agg="token-mean", token_count=None, seq_count=None):
         row = row / mask.sum(-1).clamp(min=1)  # [B]
     elif agg != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation {agg!r}")
-    return row.sum() / (x.shape[0] if seq_count is None else seq_count)
+    n = mask.sum(-1).gt(0).sum().clamp(min=1) if seq_count is None else seq_count
+    return row.sum() / n
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0,
                 agg="token-mean", token_count=None, seq_count=None):
@@ -310,6 +316,18 @@ def value_loss(values, old_values, returns, mask, clip=0.5, agg="token-mean", to
                        vpred_mean=masked_mean(values, mask))
     return loss, metrics
 
+def clip_and_step(model, optimizer, max_norm):
+    """Clip the gradient norm of model's parameters to max_norm, then step; a non-finite norm (a NaN or inf loss:
+    every rank sees the same all-reduced norm, so all skip together) skips the step and drops the gradients.
+    Returns the norm before clipping as a float. Works on FSDP2's sharded parameters (the norm is a DTensor)."""
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+    if math.isfinite(gn):
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return gn
+
 def kl_penalty(logp, ref_logp, kind="kl"):
     """Per-token KL estimate [B, T] (veRL core_algos.kl_penalty; Schulman's k1/k2/k3)."""
     diff = logp - ref_logp  # [B, T]
@@ -324,35 +342,45 @@ def kl_penalty(logp, ref_logp, kind="kl"):
         return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)  # [B, T] >= 0
     raise ValueError(f"unknown kl kind {kind!r}")
 
-def _entropy_rows(flat, rows):
-    logp = torch.log_softmax(flat[rows].float(), dim=-1)  # [c, V] one chunk, upcast to fp32
-    return -(logp.exp() * logp).sum(-1)  # [c]
-
-def entropy(logits, mask, chunk=1024):
-    """Token entropy [B, T] (fp32) of logits [B, T, V] (any dtype), 0 where mask is 0. Only masked
-    positions are computed, `chunk` of them at a time, so at most [chunk, V] fp32 exists at once
-    (checkpointed under autograd, as in token_logprobs, so backward does not keep every chunk)."""
-    m = mask.bool()
-    flat, idx = logits.reshape(-1, logits.shape[-1]), m.flatten().nonzero().squeeze(1)  # [B*T, V], [N]
-    use_ckpt = torch.is_grad_enabled() and logits.requires_grad
-    ent = [idx[i:i + chunk] for i in range(0, idx.numel(), chunk)]  # row indices, each [<=chunk]
-    ent = [checkpoint(_entropy_rows, flat, r, use_reentrant=False) if use_ckpt else _entropy_rows(flat, r)
-           for r in ent]  # each [<=chunk]; the row gather happens inside, so nothing big is saved
-    ent = torch.cat(ent) if ent else flat.new_zeros(0, dtype=torch.float32)  # [N]
-    return torch.zeros(m.shape, dtype=torch.float32, device=logits.device).masked_scatter(m, ent)
-
 # ----------------------------------------------------------------------------- log-probs from a model
 
 def _chunk_logprobs(lm_head, hidden, targets, temperature, with_entropy):
-    logits = lm_head(hidden).float() / temperature  # [c, V] fp32, one chunk only
+    # fp32 logits, not bf16 ones cast up (0.125 apart in [16, 32)): the GEMM itself in fp32, outside autocast. With
+    # bf16 weights (FSDP2) that is an fp32 copy of lm_head's [V, d] weight per chunk, recomputed in backward
+    bias = None if lm_head.bias is None else lm_head.bias.float()
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = F.linear(hidden.float(), lm_head.weight.float(), bias) / temperature  # [c, V] one chunk only
     logp_all = torch.log_softmax(logits, dim=-1)  # [c, V]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [c]
     ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)  # [c]
     return logp, ent
 
-def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, with_entropy=False, mask=None):
-    """Log-probs [B, T] of `tokens` under an HF causal LM with logits / temperature (veRL does the same,
-    RAGEN_SPEC 4.1), and the entropies [B, T] of that same distribution if asked (else None).
+def last_hidden(model, tokens, attention_mask, share_prefix=False, **kw):
+    """The last hidden layer [B, T, H] (after the final norm) of `model` (an HF causal LM or its base model) on
+    right-padded rows. share_prefix: the prefix that every row shares (a group's first prompt; the longest common
+    prefix, cut so each row keeps a token of its own) runs once, in row 0, and its K/V is repeated for the other
+    rows, which attend to it as to their own; the same hidden states up to fp32 rounding, and gradients flow back
+    through the shared part. Needs HF's KV cache, so not with gradient checkpointing (HF turns the cache off)."""
+    B, T = tokens.shape
+    P = 0
+    if share_prefix and B > 1:
+        same = (tokens == tokens[:1]).all(0)                                                  # [T]
+        P = min(int(same.long().argmin()) if not bool(same.all()) else T, int(attention_mask.sum(1).min()) - 1)
+    if P < 1:
+        return model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+                     **kw).hidden_states[-1]
+    head = model(input_ids=tokens[:1, :P], use_cache=True, output_hidden_states=True, **kw)
+    past = head.past_key_values
+    past.batch_repeat_interleave(B)  # [1, KV, P, D] -> [B, KV, P, D] in every layer (a copy: autograd sums it back)
+    rest = model(input_ids=tokens[:, P:], attention_mask=attention_mask, past_key_values=past, use_cache=True,
+                 output_hidden_states=True, **kw).hidden_states[-1]                          # [B, T-P, H]
+    return torch.cat([head.hidden_states[-1].expand(B, -1, -1), rest], dim=1)                 # [B, T, H]
+
+
+def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, with_entropy=False, mask=None,
+                   share_prefix=False):
+    """Log-probs [B, T] of `tokens` under an HF causal LM with logits / temperature (veRL and RAGEN
+    do the same), and the entropies [B, T] of that same distribution if asked (else None).
     Alignment: logp[:, t] = log p(tokens[:, t] | tokens[:, :t]), from the logits at position t-1;
     logp[:, 0] = 0, and so is every position outside `mask` (default: the attention mask). Callers pass
     the loss mask, the tokens the policy sampled: the layout of rollout's old_logp.
@@ -371,14 +399,13 @@ def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, wi
     (embeddings, final norm, lm_head); lm_head is then used after the forward, which relies on FSDP2
     keeping the root unsharded after forward (its default, reshard_after_forward=None -> False for the
     root). In no_grad the per-layer hidden states ([L, B, T, H], small next to [B, T, V]) live until the
-    forward ends."""
-    out = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1)
+    forward ends. share_prefix: the rows' common prefix runs once (last_hidden)."""
+    h = last_hidden(model, tokens, attention_mask, share_prefix, logits_to_keep=1)  # [B, T, H]
     keep = attention_mask[:, 1:].bool()  # [B, T-1] the positions whose log-prob is wanted
     if mask is not None:
         keep = keep & mask[:, 1:].bool()
-    hidden, targets = out.hidden_states[-1][:, :-1][keep], tokens[:, 1:][keep]  # [N, H], [N]: t-1 predicts t
-    del out
+    hidden, targets = h[:, :-1][keep], tokens[:, 1:][keep]  # [N, H], [N]: t-1 predicts t
+    del h
     lm_head, use_ckpt = model.get_output_embeddings(), torch.is_grad_enabled() and hidden.requires_grad
     logps, ents = [], []
     for s in range(0, max(len(hidden), 1), chunk):

@@ -5,12 +5,13 @@ StarPO / StarPO-S: multi-turn PPO or GRPO on whole agent trajectories (RAGEN, ar
     python train.py --env sokoban --algo ppo                            # one GPU, the paper's StarPO-S
     torchrun --nproc_per_node=8 train.py --env sokoban --algo ppo      # eight GPUs, same maths
 
-One loop, in the order it happens (DESIGN.md §5):
+One loop, in the order it happens:
 rollout -> filter groups -> old / ref log-probs and values -> advantages -> PPO updates -> log
--> validation -> checkpoint. Defaults are the paper's StarPO-S settings (RAGEN_SPEC §4.1, §5).
+-> validation -> checkpoint. Defaults are the paper's StarPO-S settings (RAGEN's configs).
 """
 import argparse
 import copy
+import datetime
 import importlib.util
 import json
 import math
@@ -30,28 +31,17 @@ import env_countdown
 import env_frozenlake
 import env_sokoban
 import env_webshop
-import rollout as rollout_py  # its sampler switches; the function rollout() is imported below
+import memplan
+import eval as eval_py  # the env presets and the agent settings, shared with evaluation
+import rollout as rollout_py  # sampler_settings; the function rollout() is imported below
 import starpo
 from rollout import load_model, reasoning_span, rollout
 
-# every preset of every env file, plus short names (one dict literal, no registry)
-ENV_CLASSES = {}
-for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, env_sokoban),
-                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop),
-                   (env_countdown.CountdownEnv, env_countdown)]:
-    for _name, _preset in _mod.PRESETS.items():
-        ENV_CLASSES[_name] = (_cls, _preset)
-SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop",
-               "countdown": "Countdown"}
-
-
 def preset_name(name):
-    """'sokoban' -> 'SimpleSokoban'; preset names are matched case-insensitively."""
-    name = SHORT_NAMES.get(name.lower(), name)
-    for known in ENV_CLASSES:
-        if known.lower() == name.lower():
-            return known
-    sys.exit(f"train.py: unknown env or preset {name!r}; choose from {sorted(SHORT_NAMES)} or {sorted(ENV_CLASSES)}")
+    try:
+        return eval_py.preset_name(name)
+    except ValueError as e:
+        sys.exit(f"train.py: {e}")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -75,6 +65,9 @@ g.add_argument("--max-context", type=int, default=None, help="longest conversati
 g.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
 g.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
 g.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
+g.add_argument("--no-prefix-sharing", action="store_true", help="compute every row's prompt in full, also the prefixes rows "
+               "share (reference path): in the rollout's prefill (train/<env>/prefill_saved counts what sharing saves) "
+               "and in the old log-prob, value and update passes")
 g.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (also used for log-probs)")
 g.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
 g.add_argument("--context-window-mode", default="full", choices=["full", "limited_multi_turn", "single_turn"],
@@ -88,7 +81,12 @@ g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help
 g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
                "= fixed-shape KV pool, compiled = static + torch.compile'd decode step (CUDA graphs on GPU); auto = compiled "
                "on CUDA, eager on CPU. All of them sample the same tokens")
-g.add_argument("--plan", action="store_true", help="print the expected peak memory per rank by part for these flags, then exit")
+g.add_argument("--plan", type=int, nargs="?", const=0, default=None, metavar="RANKS", help="print the expected peak memory "
+               "per rank by part for these flags on RANKS ranks (default: this launch's), then exit; reads the model's "
+               "config only")
+g.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per rank the plan must fit in (default: the CUDA "
+               "device's; --plan off a GPU: 80, an H100); given, it is checked on any device")
+g.add_argument("--force", action="store_true", help="start even when the memory plan does not fit the device")
 g.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory in the updates")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft on the actor and the critic trunk, base weights "
                "frozen (0 = full fine-tuning; RAGEN base-lora.yaml: 64, with lr x10)")
@@ -101,8 +99,8 @@ g.add_argument("--num-groups", type=int, default=8, help="env groups per rollout
 g.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
 g.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
                "(StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, min_p this fraction of the best")
-g.add_argument("--filter-type", default="std", choices=["std", "std_rev", "largest", "smallest"],
-               help="keep the groups with the largest (std = largest) or smallest (std_rev) statistic")
+g.add_argument("--filter-type", default="std", choices=["std", "std_rev"],
+               help="keep the groups with the largest (std) or smallest (std_rev) statistic (RAGEN-2: largest / smallest)")
 g.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
 g.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
                help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of the "
@@ -117,7 +115,6 @@ g.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this 
 g.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
 g.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
 g.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
-g.add_argument("--online-k", type=int, default=1, help="Online-k: roll out k times the groups, feed k mini-batch updates")
 g = p.add_argument_group("algorithm")
 g.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
                help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
@@ -165,7 +162,8 @@ g.add_argument("--resume", default=None, help="continue the run in this director
 g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
 g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
 g.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
-g.add_argument("--inject-nan", type=int, default=-1, help="testing only: make the loss NaN at this step")
+g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective (rank 0 "
+               "writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
 g.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
                "of the first 10), or validation success under 1%% 5 times in a row")
 args = p.parse_args()
@@ -174,7 +172,7 @@ if args.demo:  # the preset first, the command line after it: for a flag given t
 
 if args.vanilla:  # RAGEN train_all.sh USE_BASE: no filter, symmetric clip, KL loss 0.001 (k1)
     args.filter_ratio, args.clip_high, args.kl_coef = 1.0, 0.2, 0.001
-if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN_SPEC §4.3)
+if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN's grpo setting)
     args.reward_norm = "mean_std" if args.algo == "grpo" else "identity"
 if args.loss_agg is None:  # Dr.GRPO sums a sequence's tokens (RAGEN-2 run_main_table_diff_algo.sh)
     args.loss_agg = "seq-mean-token-sum" if args.algo == "drgrpo" else "token-mean"
@@ -189,7 +187,7 @@ if len({e for e, _ in args.env_mix}) < len(args.env_mix):
 args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
 for key, default in (("max_turns", 5), ("max_actions_per_turn", 5), ("max_context", 3600)):  # RAGEN's per-env configs
     if getattr(args, key) is None:
-        setattr(args, key, ENV_CLASSES[args.env][1].get(key, default))
+        setattr(args, key, eval_py.ENV_CLASSES[args.env][1].get(key, default))
 if args.val_env is None:
     args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
 args.val_env = [preset_name(v) for v in args.val_env]
@@ -205,7 +203,7 @@ if args.context_window_mode == "full" and args.max_context_window > 0 and args.o
 if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
     sys.exit(f"train.py: --algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
 filter_kind = ("mean" if args.filter_metric in ("reward_mean", "entropy", "length") else "std") + \
-    ("_rev" if args.filter_type in ("std_rev", "smallest") else "")  # starpo.filter_groups' ranking statistic
+    ("_rev" if args.filter_type == "std_rev" else "")  # starpo.filter_groups' ranking statistic
 
 # ----------------------------------------------------------------------------- compute init
 ddp = int(os.environ.get("RANK", -1)) != -1
@@ -217,8 +215,10 @@ if use_cuda:
     torch.backends.cuda.matmul.allow_tf32 = True
 else:
     device = torch.device("cpu")
-if ddp:
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+if args.plan:  # plan a launch on this many ranks: the checks below use it, and nothing after the plan runs
+    world = args.plan
+if ddp and args.plan is None:
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=args.pg_timeout_min))
 master = rank == 0
 
 
@@ -233,7 +233,7 @@ def die(msg):  # every rank sees the same args, so every rank stops with the sam
 
 
 # derived batch sizes, checked up front (RAGEN train.py asserts the same things)
-rollout_groups = args.num_groups * args.online_k
+rollout_groups = args.num_groups
 kept_groups = rollout_groups if args.filter_ratio >= 1 else int(args.filter_ratio * rollout_groups)
 if args.filter_strategy == "top_k_abs":
     kept_groups = min(int(args.filter_ratio), rollout_groups)
@@ -243,9 +243,9 @@ kept_rows = kept_groups * args.group_size
 fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed
 row_multiple = math.lcm(args.mini_batch_size, world)
 if rollout_groups % world:
-    die(f"--num-groups x --online-k = {rollout_groups} groups cannot be split over {world} ranks")
-if any(n * args.online_k % world for _, n in args.env_mix):
-    die(f"each mixed preset's groups x --online-k must split over {world} ranks: {args.env_mix}")
+    die(f"--num-groups {rollout_groups} cannot be split over {world} ranks")
+if any(n % world for _, n in args.env_mix):
+    die(f"each mixed preset's groups must split over {world} ranks: {args.env_mix}")
 if fixed_keep and (kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size):
     die(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
         f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
@@ -254,6 +254,65 @@ if args.mini_batch_size % world:
 if args.val_groups % world:
     die(f"--val-groups {args.val_groups} must divide over {world} ranks")
 updates_per_step = args.ppo_epochs * kept_rows // args.mini_batch_size
+
+
+# ----------------------------------------------------------------------------- memory plan (memplan.py)
+# What this launch needs per rank, from the model's config alone: one line at start, the parts with --plan. On
+# CUDA (or with --gpu-memory-gb) a plan that does not fit stops the run here, before any weight is loaded.
+def model_config(name):
+    """The --model's HF config, read without its weights."""
+    if name in ("tiny", "tiny-qwen2"):  # built in memory, a few hundred KB of weights
+        return rollout_py.build_tiny("llama" if name == "tiny" else "qwen2")[0].config
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(rollout_py.smollm2_dir() if name == "smollm2" else name)
+
+
+def fitting_flags(cfg, kw, gpu_bytes):
+    """The first of these changes, taken in turn and kept, that brings the plan under gpu_bytes, as flags:
+    --grad-checkpointing, halving --micro-batch-size down to 1, then 2, 4, 8 ranks; None if none does."""
+    kw, flags, tries = dict(kw), {}, []
+    if not kw["ckpt"]:
+        tries.append(("ckpt", True, "--grad-checkpointing"))
+    tries += [("micro", m, f"--micro-batch-size {m}") for m in (kw["micro"] // 2**i for i in range(1, 12)) if m >= 1]
+    tries += [("world", w, f"torchrun --nproc_per_node={w}") for w in (2, 4, 8)
+              if w > kw["world"] and rollout_groups % w == 0 and args.mini_batch_size % w == 0 and args.val_groups % w == 0]
+    for key, value, flag in tries:
+        kw[key], flags[key] = value, flag
+        if memplan.fits(memplan.plan_memory(cfg, **kw)["total"], gpu_bytes):
+            return " ".join(flags.values())
+    return None
+
+
+try:
+    plan_cfg = model_config(args.model)
+except (OSError, ValueError) as e:  # a run goes on to load_model, which says what is wrong in its own words
+    plan_cfg = None
+    if args.plan is not None:
+        die(f"cannot load --model {args.model}: cannot read its config: {str(e).splitlines()[0]}")
+if plan_cfg is not None:
+    gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
+    plan_kw = dict(world=world, rows=rollout_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
+                   seq=args.max_context, critic=args.algo == "ppo", ref=args.kl_coef > 0 and not args.lora_rank,
+                   bf16=args.dtype == "bf16" or (args.dtype == "auto" and gpu_plan), ckpt=args.grad_checkpointing,
+                   lora_rank=args.lora_rank)
+    plan = memplan.plan_memory(plan_cfg, **plan_kw)
+    gpu_bytes = (args.gpu_memory_gb * 2**30 if args.gpu_memory_gb is not None else
+                 torch.cuda.get_device_properties(device).total_memory if use_cuda else 80 * 2**30 if gpu_plan else None)
+    fit = gpu_bytes is None or memplan.fits(plan["total"], gpu_bytes)
+    fitting = None if fit else fitting_flags(plan_cfg, plan_kw, gpu_bytes)
+    if args.plan is not None:
+        print0(f"memory plan of --model {args.model} per rank, {world} rank{'s' * (world > 1)}, "
+               f"{'bf16' if plan_kw['bf16'] else 'fp32'} compute, micro-batch {args.micro_batch_size} x {args.max_context} "
+               f"tokens{', grad checkpointing' if args.grad_checkpointing else ''}:\n" + memplan.format_plan(plan, gpu_bytes))
+        if not fit:
+            print0(f"  fits with: {fitting}" if fitting else "  nothing here fits it: a smaller --model or larger GPUs")
+        sys.exit(0)
+    print0(f"memory plan: {plan['total'] / 2**30:.2f} GB per rank" +
+           (f" of {gpu_bytes / 2**30:.1f} GB" if gpu_bytes else "") + " (--plan for its parts)")
+    if not fit and (use_cuda or args.gpu_memory_gb is not None) and not args.force:
+        die(f"the memory plan, {plan['total'] / 2**30:.1f} GB per rank, does not fit in {gpu_bytes / 2**30:.1f} GB "
+            f"(under {memplan.HEADROOM:.0%} of it); " + (f"it fits with {fitting}" if fitting else "a smaller --model or "
+            "larger GPUs") + "; --plan shows its parts, --force starts anyway")
 
 # run directory, resume checks
 ckpt = None
@@ -267,8 +326,8 @@ if args.resume:
     if ckpt["step"] >= args.steps:
         die(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} leaves nothing to do")
     changed = {k: (v, getattr(args, k)) for k, v in ckpt["args"].items()
-               if k not in ("resume", "out", "steps", "save_every", "inject_nan", "wandb", "val_every", "device",
-                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "collapse_every",
+               if k not in ("resume", "out", "steps", "save_every", "wandb", "val_every", "device",
+                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
                             "save_adapter")
                and getattr(args, k, None) != v}
     if changed:
@@ -297,18 +356,57 @@ print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_
 # ----------------------------------------------------------------------------- models
 # Weights are fp32 (the optimizer's master copy); on GPU the forward runs in bf16 autocast, as RAGEN's
 # FSDP mixed precision does. Rollouts run on a plain unsharded copy (the sampler calls submodules
-# directly, which FSDP2's hooks would not see; CPU_NOTES §5), refreshed after every update.
+# directly, which FSDP2's hooks would not see), refreshed after every update.
+# Rank 0 alone reads the weights (fp32 on the CPU, self-checked by load_model) and builds the models there; every
+# rank works on their structure on the meta device (meta_copy: no memory), shards it under torchrun, and only then
+# allocates it on the device and fills it from rank 0's state dicts (materialize). No GPU ever holds a whole fp32
+# model before sharding (Qwen2.5-7B PPO: 83 GB of fp32 actor, critic trunk and rollout copy on each rank), and the
+# rollout copy is allocated in its own dtype.
+def meta_copy(m, dtype=None):
+    """A copy of module m with its parameters on the meta device (in dtype if given), tied ones still tied; buffers
+    (RoPE's inv_freq, small) are copied as they are."""
+    memo = {id(q): torch.nn.Parameter(torch.empty_like(q, device="meta", dtype=dtype), q.requires_grad) for q in m.parameters()}
+    return copy.deepcopy(m, memo)
+
+
+def materialize(m, src):
+    """Allocate meta module m (sharded if FSDP2 wraps it) on this rank's device and fill its parameters from src, a
+    full state dict on rank 0 (broadcast under torchrun; None: filled later). Buffers are not in state dicts and
+    to_empty leaves them uninitialised: they are put back. to_empty unties tied weights of a plain module."""
+    buffers = {n: b.clone() for n, b in m.named_buffers()}
+    m.to_empty(device=device)
+    from torch.distributed.fsdp import FSDPModule
+    if hasattr(m, "tie_weights") and not isinstance(m, FSDPModule):  # (FSDP2 keeps them tied)
+        m.tie_weights()
+    for n, b in m.named_buffers():
+        b.copy_(buffers[n])
+    if src is not None and ddp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(m, dict(src), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # (it
+        # puts the loaded DTensors into the dict it is given; the reference and the rollout copy share one)
+    elif src is not None:
+        m.load_state_dict(src)
+    return m
+
+
 print0(f"loading --model {args.model} ...")
-try:
-    actor, tok = load_model(args.model, device=device, dtype=torch.float32)
-except (ValueError, FileNotFoundError, OSError) as e:
-    die(f"cannot load --model {args.model}: {e}")
+actor, tok, err = None, None, None
+if master:
+    try:
+        actor, tok = load_model(args.model)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        err = f"cannot load --model {args.model}: {e}"
+if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)
+    box = [err, meta_copy(actor) if actor is not None else None, tok]
+    dist.broadcast_object_list(box)
+    err, actor, tok = box[0], actor if master else box[1], box[2]
+if err:
+    die(err)
 bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)  # --dtype bf16 runs the GPU settings on a CPU too
 rollout_dtype = torch.bfloat16 if bf16 else torch.float32
 autocast = (lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext
-if args.sampler != "auto":  # else rollout.py decides: static + compiled exactly on CUDA
-    rollout_py.STATIC, rollout_py.COMPILE = args.sampler != "eager", ("inductor" if args.sampler == "compiled" else None)
-ref = copy.deepcopy(actor).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
+sampler = rollout_py.sampler_settings(device, args.sampler)  # auto: static + compiled exactly on CUDA
+ref = meta_copy(actor).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
 
 
 class Critic(torch.nn.Module):
@@ -320,21 +418,25 @@ class Critic(torch.nn.Module):
         self.head = torch.nn.Linear(lm.config.hidden_size, 1, device=lm.device)
         torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, tokens, attention_mask):
-        h = self.model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, T, H]
+    def forward(self, tokens, attention_mask, share_prefix=False):
+        h = starpo.last_hidden(self.model, tokens, attention_mask, share_prefix)             # [B, T, H]
         v = self.head(h).squeeze(-1).float()                                              # [B, T]
         # values[:, t] = V(tokens[:, :t]): the state in which token t is chosen, aligned with logp[:, t]
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)                   # [B, T]
 
 
-critic = Critic(actor) if args.algo == "ppo" else None
+critic = Critic(actor) if args.algo == "ppo" else None  # rank 0: a real trunk copy, on the CPU
+# the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept group's
+# first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
+share_prefix = not (args.no_prefix_sharing or args.grad_checkpointing or ddp)
 if args.grad_checkpointing:
     actor.gradient_checkpointing_enable()
     if critic is not None:
         critic.model.gradient_checkpointing_enable()
-rollout_model = actor
+rollout_model = None  # None: the actor itself
 if ddp or rollout_dtype != torch.float32 or args.lora_rank:  # LoRA: a plain copy, adapter merged in (sync_rollout_weights)
-    rollout_model = copy.deepcopy(actor).to(rollout_dtype).eval().requires_grad_(False)
+    rollout_model = meta_copy(actor, rollout_dtype).eval().requires_grad_(False)
+base_sd = actor.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
 if args.lora_rank:  # peft LoRA, injected in place by transformers' add_adapter (the classes stay; base weights frozen)
     if args.lora_rank < 0:
         die("--lora-rank must be >= 0")
@@ -344,8 +446,15 @@ if args.lora_rank:  # peft LoRA, injected in place by transformers' add_adapter 
     try:
         for m in [actor] + ([critic.model] if critic is not None else []):  # RAGEN: the critic trunk gets LoRA too; its head trains fully
             m.add_adapter(lora_config())
-    except ValueError as e:  # peft: target modules not found
-        die(f"--lora-target {args.lora_target!r}: {str(e).splitlines()[0]}")
+    except ValueError as e:  # peft names missing target modules; transformers refuses a peft it cannot drive
+        if "target modules" in str(e).lower():
+            die(f"--lora-target {args.lora_target!r}: {str(e).splitlines()[0]}")
+        import importlib.metadata, transformers
+        die(f"LoRA: {str(e).splitlines()[0]} (installed: peft {importlib.metadata.version('peft')}, transformers "
+            f"{transformers.__version__}; requirements.txt pins a pair that works)")
+actor_sd, critic_sd = (actor.state_dict(), critic.state_dict() if critic is not None else None) if master else ({}, {})
+actor, critic = meta_copy(actor), None if critic is None else meta_copy(critic)  # rank 0's real ones: in the state dicts
+rollout_model = actor if rollout_model is None else rollout_model
 if ddp:  # FSDP2: shard every transformer block, then the root (pytorch/examples distributed/FSDP2)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # bf16: all-gather bf16 parameters (half the traffic of fp32), reduce-scatter gradients in fp32 (RAGEN's FSDP
@@ -356,6 +465,13 @@ if ddp:  # FSDP2: shard every transformer block, then the root (pytorch/examples
             for block in m.model.layers:
                 fully_shard(block, mp_policy=mp)
             fully_shard(m, mp_policy=mp)
+for m, sd in [(actor, actor_sd), (critic, critic_sd), (ref, base_sd), (rollout_model, base_sd)]:
+    if m is not None and next(m.parameters()).is_meta:  # the rollout copy may be the actor, already allocated
+        materialize(m, sd)
+del actor_sd, critic_sd, base_sd
+# LoRA on several ranks: the frozen base of every adapted weight, kept from the rollout copy's fill (not re-gathered)
+lora_base = {n: rollout_model.get_submodule(n).weight.clone() for n, m in actor.named_modules()
+             if hasattr(m, "lora_A")} if args.lora_rank and ddp else {}
 opt = torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
 critic_opt = None if critic is None else torch.optim.AdamW(
     critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
@@ -363,22 +479,41 @@ critic_opt = None if critic is None else torch.optim.AdamW(
 
 @torch.no_grad()
 def sync_rollout_weights():
-    """Copy the (possibly sharded) actor into the unsharded rollout model; every rank calls this.
+    """Copy the (possibly sharded) actor into the unsharded rollout model; every rank calls this. Returns the bytes
+    it all-gathered. FSDP2: one all-gather per block and one for the root (unshard, in the all-gather dtype: bf16
+    under bf16 compute, the rollout copy's dtype), rather than one fp32 gather per parameter.
     LoRA: the rollout model is a plain copy with the adapter merged in, W = W0 + B @ A * alpha / r (peft's
     lora.Linear.get_delta_weight), rather than a copy carrying peft's layers: the sampler keeps running the plain
     HF layout that load_model self-checked (and that the compiled CUDA-graph step captures) with no per-token
-    adapter matmuls, at the cost of one rank-r product per adapted weight per sync. Only those weights change."""
+    adapter matmuls, at the cost of one rank-r product per adapted weight per sync. Only those weights change,
+    and only the adapters are gathered: the frozen W0 was kept from the rollout copy's first fill (lora_base, in
+    the rollout dtype; W0 of a bf16 checkpoint is exact in it)."""
     if rollout_model is actor:
-        return
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+        return 0
+    gathered = 0
     if args.lora_rank:
         for name, m in actor.named_modules():
             if hasattr(m, "lora_A"):  # a peft LoRA layer around m.base_layer
-                w = full(m.lora_B["default"].weight) @ full(m.lora_A["default"].weight) * m.scaling["default"]
-                rollout_model.get_submodule(name).weight.copy_(full(m.base_layer.weight) + w)
-        return
-    for p_, q in zip(actor.parameters(), rollout_model.parameters()):
-        q.copy_(full(p_))
+                a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+                if ddp:
+                    a, b = a.full_tensor(), b.full_tensor()
+                    gathered += (a.numel() + b.numel()) * a.element_size()
+                w0 = lora_base[name] if ddp else m.base_layer.weight
+                rollout_model.get_submodule(name).weight.copy_(w0 + b @ a * m.scaling["default"])
+        return gathered
+    if not ddp:
+        for p_, q in zip(actor.parameters(), rollout_model.parameters()):
+            q.copy_(p_)
+        return 0
+    mirror = dict(rollout_model.named_parameters())
+    for prefix, part in [(f"model.layers.{i}.", block) for i, block in enumerate(actor.model.layers)] + [("", actor)]:
+        part.unshard()  # this FSDP2 group's parameters, gathered in one collective
+        for n, p_ in part.named_parameters(prefix=prefix.rstrip(".")):
+            if prefix or not n.startswith("model.layers."):  # the root: its own parameters (the blocks are done)
+                mirror[n].copy_(p_)
+                gathered += p_.numel() * p_.element_size()
+        part.reshard()
+    return gathered
 
 
 def lora_export(adapter_sd, adapter_dir=None):
@@ -488,20 +623,16 @@ def run_rollout(presets, group_size, seed0, temperature, envs, what="rollout"):
     this rank's share of each preset's groups, gathered so that every rank holds all of them."""
     outs = []
     for preset_key, n_groups in presets:
-        cls, preset = ENV_CLASSES[preset_key]
+        cls, preset = eval_py.ENV_CLASSES[preset_key]
         share = rows_of_this_rank(n_groups)
         seeds = [seed0 + g for g in range(share.start, share.stop) for _ in range(group_size)]
         seed0 += n_groups
         if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
             envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
-        preset = dict(preset, max_actions_per_traj=args.max_actions_per_traj or preset["max_actions_per_traj"])
-        out = rollout(rollout_model, tok, envs[preset_key][:len(seeds)], seeds, preset, group_size=group_size,
-                      max_turns=args.max_turns, max_actions_per_turn=args.max_actions_per_turn,
-                      max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
-                      think=not args.no_think, max_context=args.max_context, format_penalty=args.format_penalty,
-                      kv_reuse=not args.no_kv_reuse, sample_seed=args.seed, window=args.max_context_window,
-                      window_mode=args.context_window_mode,
-                      progress=lambda t, n: phase(f"{what} {preset_key} turn {t}/{n}"))
+        out = rollout(rollout_model, tok, envs[preset_key][:len(seeds)], seeds, group_size=group_size,
+                      temperature=temperature, sampler=sampler, progress=lambda t, n: phase(f"{what} {preset_key} turn {t}/{n}"),
+                      share_prefixes=not args.no_prefix_sharing,
+                      **eval_py.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
         outs.append(all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}))
     return outs
 
@@ -552,7 +683,7 @@ def collapse_metrics(out, step, max_pairs=64):
 @contextmanager
 def saved_bytes(model):
     """Bytes of the distinct storages autograd keeps for backward inside the block (held[0]), the model's own
-    parameters (and views of them) excepted: the activation memory of a micro-batch, which bench.plan_memory
+    parameters (and views of them) excepted: the activation memory of a micro-batch, which memplan.plan_memory
     predicts. Activation checkpointing keeps its own inside checkpointed blocks, so with --grad-checkpointing
     this counts only what checkpointing still stores."""
     local = lambda q: q.to_local() if hasattr(q, "to_local") else q  # FSDP2: a DTensor's storage is its shard's
@@ -573,6 +704,15 @@ def micro_batches(rows):
     return [rows[i:i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
 
 
+def update_partition(n):
+    """The update's partition of n rows (n and --mini-batch-size multiples of world): [(rows of a mini-batch, this
+    rank's micro-batches of it)]. The no-grad passes (old and reference log-probs, values) use it too, so each
+    row is padded to the same length beside the same rows as in the update: bf16 GEMMs whose rounding depends
+    on their shape (cuBLAS picks kernels by shape) then give the update exactly the old log-probs at lr 0."""
+    minis = [list(range(s, min(s + args.mini_batch_size, n))) for s in range(0, n, args.mini_batch_size)]
+    return [(rows, micro_batches(rows[rows_of_this_rank(len(rows))])) for rows in minis]
+
+
 def trim(idx, *tensors):
     """Rows idx of [B, T] tensors, cut to the longest real row (right padding)."""
     T = int(batch["attention_mask"][idx].sum(1).max())
@@ -585,15 +725,18 @@ def forward_pass(model, what):
     logp and entropy only at batch["loss_mask"] (0 elsewhere)."""
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
-    for mb in micro_batches(list(range(n))[rows_of_this_rank(n)]):
+    for mb in [mb for _, mine in update_partition(n) for mb in mine]:
         tokens, am, lm = trim(mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
         with autocast():
             if what == "values":
-                x = model(tokens, am)
+                x = model(tokens, am, share_prefix)
             else:  # only the sampled tokens' positions (lm) go through lm_head
-                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy", mask=lm)
+                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy",
+                                          mask=lm, share_prefix=share_prefix)
                 x = x[1] if what == "entropy" else x[0]
         res[mb, :x.shape[1]] = x.float()
+    if ddp:  # FSDP2 keeps the root (embeddings, lm_head) gathered after a forward, for the backward no-grad never runs
+        model.reshard()
     if ddp and n:
         dist.all_reduce(res)  # each row is filled on exactly one rank, zeros elsewhere
     return res.cpu()
@@ -705,8 +848,10 @@ def save_checkpoint(step):
         if args.lora_rank:
             export = lora_export(actor_sd, os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
         else:
-            export = copy.deepcopy(rollout_model).float()  # a plain (unsharded) model to hold the full weights
-            export.load_state_dict(actor_sd)
+            # the rollout copy's structure holding the gathered CPU tensors themselves: no weight copy, none on the GPU
+            export = meta_copy(rollout_model)
+            export.load_state_dict(actor_sd, assign=True)
+            export.tie_weights()
         export.save_pretrained(j("hf.tmp"))
         tok.save_pretrained(j("hf.tmp"))
         if os.path.isdir(j("hf")):
@@ -793,7 +938,7 @@ for step in bar:
     # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
     #    take their groups in --env order, each logged under its own name
     t0 = time.time()
-    outs = run_rollout([(e, n * args.online_k) for e, n in args.env_mix], args.group_size,
+    outs = run_rollout(args.env_mix, args.group_size,
                        args.seed + step * rollout_groups, args.temperature, train_envs)
     timing["rollout"] = time.time() - t0
     for (e, _), o in zip(args.env_mix, outs):
@@ -903,38 +1048,37 @@ for step in bar:
     actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if critic is not None:
         critic.train()
-    minibatches = [list(range(s, s + args.mini_batch_size)) for s in range(0, K, args.mini_batch_size)]
+    minibatches = update_partition(K)  # [(rows, this rank's micro-batches of them)], as the no-grad passes above
     for epoch in range(args.ppo_epochs):
-        for i, mb_rows in enumerate(minibatches):
+        for i, (mb_rows, mine) in enumerate(minibatches):
             phase(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
-            mine = mb_rows[rows_of_this_rank(len(mb_rows))]
             n_tok = mask[mb_rows].sum().item()  # global token / row counts of this mini-batch (known on every rank)
-            counts = dict(token_count=n_tok, seq_count=len(mb_rows))
-            nan_now = step == args.inject_nan
+            counts = dict(token_count=n_tok, seq_count=int(mask[mb_rows].any(-1).sum()))  # rows with a loss token
             part = {}  # loss terms of this mini-batch: every micro-batch's is already divided by the global count
             # critic
             if critic is not None:
                 critic_opt.zero_grad(set_to_none=True)
-                for mb in micro_batches(mine):
+                for j, mb in enumerate(mine):
+                    if ddp:  # FSDP2: reduce-scatter the gradients once, in the mini-batch's last backward
+                        critic.set_requires_gradient_sync(j == len(mine) - 1)
                     tokens, am, mmask, mret, mold = trim(mb, batch["tokens"], batch["attention_mask"], mask, returns, values)
                     with autocast():
-                        v = critic(tokens, am)
+                        v = critic(tokens, am, share_prefix)
                     vf_loss, vm = starpo.value_loss(v.float(), mold, mret, mmask, args.value_clip, args.loss_agg, **counts)
                     (vf_loss * world).backward()  # FSDP averages gradients over ranks; the count is already global
                     part["critic/vf_loss"] = part.get("critic/vf_loss", 0.0) + vf_loss.item()
                     for k, x in vm.items():
                         acc.setdefault(f"critic/{k}", []).append(float(x))
-                gn = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-                gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-                acc.setdefault("critic/grad_norm", []).append(gn)
-                if math.isfinite(gn):
-                    critic_opt.step()
+                acc.setdefault("critic/grad_norm", []).append(starpo.clip_and_step(critic, critic_opt, args.grad_clip))
             # actor
             opt.zero_grad(set_to_none=True)
-            for mb in micro_batches(mine):
+            for j, mb in enumerate(mine):
+                if ddp:  # until then each rank accumulates unsharded fp32 gradients (memplan's grad_buffers)
+                    actor.set_requires_gradient_sync(j == len(mine) - 1)
                 tokens, am, mmask, madv, mold = trim(mb, batch["tokens"], batch["attention_mask"], mask, adv, batch["old_logp"])
                 with autocast(), saved_bytes(actor) as held:
-                    logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True, mask=mmask)
+                    logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True,
+                                                     mask=mmask, share_prefix=share_prefix)
                 acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
                 logp, ent = logp.float(), ent.float()
                 pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
@@ -947,20 +1091,14 @@ for step in bar:
                     kl_loss = starpo.aggregate(kl, mmask, args.loss_agg, **counts)
                     loss = loss + args.kl_coef * kl_loss
                     part["actor/kl_loss"] = part.get("actor/kl_loss", 0.0) + kl_loss.item()
-                if nan_now:
-                    loss = loss * float("nan")
                 (loss * world).backward()
                 part["actor/pg_loss"] = part.get("actor/pg_loss", 0.0) + pg_loss.item()
                 part["actor/entropy"] = part.get("actor/entropy", 0.0) + (ent * mmask).sum().item() / max(n_tok, 1)
                 for k, x in pm.items():
                     acc.setdefault(f"actor/{k}", []).append(float(x))
-            gn = torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
-            gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+            gn = starpo.clip_and_step(actor, opt, args.grad_clip)
             acc.setdefault("actor/grad_norm", []).append(gn)
-            if math.isfinite(gn):  # a non-finite loss gives a non-finite norm on every rank: skip together
-                opt.step()
-            else:
-                opt.zero_grad(set_to_none=True)
+            if not math.isfinite(gn):
                 monitor["skipped"] += 1
                 print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
             for k, x in part.items():  # x * world: all_reduce_mean below then sums the ranks' partials
@@ -973,7 +1111,7 @@ for step in bar:
     m["actor/lr"] = args.lr
     timing["update"] = time.time() - t0
     t0 = time.time()
-    sync_rollout_weights()
+    m["perf/sync_gathered_mb"] = sync_rollout_weights() / 2**20
     timing["sync"] = time.time() - t0
 
     # 6. log, validate at the end, checkpoint

@@ -1,0 +1,92 @@
+"""Peak memory per rank of train.py, part by part, from the model config and the flags (train.py --plan).
+
+Its own file because train.py (a script: it parses flags and trains on import) and bench.py (a measurement tool)
+both need it, and the test suite checks it against what the CPU measures; nothing imports train.py.
+
+The parts are the ones train.py allocates: fp32 master weights, grads and AdamW states (sharded 1/W by FSDP2),
+the critic's trunk, the reference model, the rollout copy (unsharded, bf16 on GPU), the sampler's static KV pool,
+and the update's transients: what autograd holds for backward in one micro-batch, the bf16 weight copies
+(autocast's on one process, FSDP2's all-gathered ones on several), the unsharded gradient buffers, and one
+token_logprobs chunk of logits with its backward. Activation bytes per token per layer are counted from what
+autograd saves in a Llama / Qwen2 layer (checked against saved_tensors_hooks on the CPU by test_memory_plan_*;
+fp32 and bf16):
+  fp32:          4 * (6d + 4I + 2HD + 2KvD + H + 2)          (norms 3d+1 each, q k v out, lse, MLP 4I)
+  bf16 autocast: 26d + 8 + 4HD + 4KvD + 4H + 8I              (fp32 norms + a bf16 cast per Linear input)
+  checkpointed:  4d per layer (the fp32 layer input) + one layer's full set while it is recomputed
+  outside layers: 12d + 8 (token ids, final norm, the log-prob chunks' inputs)
+The total is the sum of the parts: every part can be alive at the update's peak (the static KV pool stays
+allocated through the update, CUDA graphs need fixed addresses), so it is an upper bound, and the worst case
+assumes every row of a micro-batch is --max-context tokens long.
+"""
+
+GIB = 2**30
+HEADROOM = 0.92  # a card "fits" when the plan is under 92% of its memory: the CUDA context and fragmentation
+
+
+def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=True, ref=False, bf16=True,
+                ckpt=False, lora_rank=0, chunk=256):
+    """Expected bytes per rank by part (a dict, "total" included). cfg: an HF config; world: ranks; rows:
+    trajectories rolled out per step on all ranks (the sampler's pool holds rows / world); mini: rows per optimizer
+    step on all ranks (--mini-batch-size); micro: rows per forward/backward on a rank; seq: the longest
+    conversation (--max-context); ref: a separate reference model (--kl-coef > 0 without LoRA); lora_rank:
+    adapters on every Linear of the layers (all-linear), base weights frozen."""
+    d, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or d // H
+    tied = cfg.tie_word_embeddings
+    linear = d * (H * D + 2 * KV * D) + H * D * d + 3 * d * I   # q k v o, gate up down: the weights LoRA adapts
+    layer = linear + 2 * KV * D + H * D + 2 * d                 # + q k v biases, two norms
+    embed = V * d
+    root = embed * (1 if tied else 2) + d                       # input embedding, lm_head if untied, final norm
+    P = L * layer + root
+    trunk = P - (0 if tied else embed) + d + 1                  # critic: no lm_head, + value head
+    # trainable parameters: everything, or the adapters (r x (in + out) per adapted Linear) + the critic's head
+    adapters = L * lora_rank * (7 * d + 2 * H * D + 2 * KV * D + 3 * I)
+    train_actor, train_critic = (adapters, adapters + d + 1) if lora_rank else (P, trunk)
+    rb = 2 if bf16 else 4
+    per_tok = (26 * d + 8 + 4 * H * D + 4 * KV * D + 4 * H + 8 * I) if bf16 else 4 * (6 * d + 4 * I + 2 * H * D + 2 * KV * D + H + 2)
+    tokens = micro * seq
+    acts = (L * 4 * d if ckpt else L * per_tok) * tokens + (12 * d + 8) * tokens  # + ids, final norm, chunk inputs
+    slots = (seq + 1) // 128 * 128 + 128                        # rollout.static_capacity(max_context + 1)
+    accumulates = -(-mini // world // micro) > 1                # several micro-batches per rank per optimizer step
+    part = dict(
+        weights=4 * (P + adapters) / world, grads=4 * train_actor / world, adamw=8 * train_actor / world,
+        critic=(4 * (trunk + adapters) + 12 * train_critic) / world if critic else 0,
+        reference=4 * P / world if ref else 0,
+        rollout_copy=rb * P if (world > 1 or bf16 or lora_rank) else 0,
+        # LoRA on several ranks: the frozen base of the adapted weights, kept unsharded for sync_rollout_weights
+        lora_base=rb * L * linear if lora_rank and world > 1 else 0,
+        kv_pool=L * 2 * (rows // world) * KV * slots * D * rb,
+        activations=acts,                                       # held from forward to backward
+        recompute=(per_tok * tokens + (2 * layer if bf16 else 0)) if ckpt else 0,  # ckpt: one layer rebuilt in backward
+        # bf16 copies of the weights held to backward. One process: autocast's casts (checkpointed layers recast
+        # theirs, lm_head's stays). FSDP2: the all-gathered root (embedding, untied lm_head) and two blocks
+        # (the one running and the one prefetched), in bf16 or fp32 as the forward runs
+        weight_casts=(rb * (root + 2 * layer) if world > 1 else 0 if not bf16 else 2 * embed if ckpt else 2 * P),
+        # FSDP2 backward: the unsharded gradients of the root and of two blocks in the compute dtype, plus their
+        # fp32 reduce-scatter input; with gradient sync skipped until a mini-batch's last micro-batch, every
+        # trainable parameter's unsharded gradient accumulates in fp32 (reduce dtype) on each rank
+        grad_buffers=((rb + 4) * (root + 2 * layer) if not lora_rank else 0) + (4 * train_actor if accumulates else 0)
+        if world > 1 else 0,
+        # one chunk of token_logprobs: logits, log_softmax, probabilities, their product in fp32; its backward
+        # recomputes them and adds the gradients of the log-softmax and of the logits, plus lm_head's weight
+        # gradient in the compute dtype before it is accumulated
+        logprob_chunk=4 * min(chunk, tokens) * V * 4,
+        logprob_backward=2 * min(chunk, tokens) * V * 4 + (rb * embed if bf16 and not lora_rank else 0),
+    )
+    part["total"] = sum(part.values())
+    return part
+
+
+def fits(total, gpu_bytes):
+    return total <= gpu_bytes * HEADROOM
+
+
+def format_plan(part, gpu_bytes=None):
+    """One line per part in GB, then the total, and against gpu_bytes (if given) whether it fits."""
+    lines = [f"  {k:17s} {v / GIB:8.2f} GB" for k, v in part.items() if k != "total"]
+    lines.append(f"  {'total':17s} {part['total'] / GIB:8.2f} GB per rank")
+    if gpu_bytes:
+        lines.append(f"  -> {'fits' if fits(part['total'], gpu_bytes) else 'does NOT fit'} in {gpu_bytes / GIB:.1f} GB "
+                     f"(under {HEADROOM:.0%} of it)")
+    return "\n".join(lines)
