@@ -41,7 +41,7 @@ PRESETS = {
     "BanditGenTest": bandit_preset("Trader", "Librarian"),
     # ... and the "rev" run, which swaps which name of each pair is the risky one. (The paper's
     # Bandit-Rev example "Librarian = high-risk" matches the script's non-rev run: the naming in
-    # script and paper disagree, see RAGEN_SPEC §2.2.)
+    # script and paper disagree.)
     "BanditRev": bandit_preset("Teacher", "Engineer"),
     "BanditRevTest": bandit_preset("Librarian", "Trader"),
 }

@@ -80,6 +80,27 @@ def has_path(desc, start):
     return False
 
 
+def shortest_path(desc, start):
+    """Breadth-first search from start to the goal around the holes: the intended moves (slips ignored) as action
+    names, [] when start is the goal, None when no path exists. A player on a hole has no path."""
+    size, parent, todo = len(desc), {start: None}, [start]
+    for p in todo:  # todo grows while it is read: a FIFO queue
+        if desc[p[0]][p[1]] == "G":
+            path = []
+            while parent[p] is not None:
+                p, a = parent[p]
+                path.append(ACTIONS[a])
+            return path[::-1]
+        if desc[p[0]][p[1]] == "H":
+            continue
+        for a, (dr, dc) in enumerate(MOVES):
+            q = (p[0] + dr, p[1] + dc)
+            if 0 <= q[0] < size and 0 <= q[1] < size and q not in parent:
+                parent[q] = (p, a)
+                todo.append(q)
+    return None
+
+
 def generate_map(size, p, seed, ragen2=False):
     """RAGEN generate_random_map (ragen/env/frozen_lake/utils.py): rows of S/F/H/G, redrawn until solvable.
     ragen2: RAGEN-2's version, which draws a new board (not just new cells) when start and goal coincide."""

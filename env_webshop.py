@@ -743,6 +743,22 @@ def run_oracle(env, seed, split="test"):
     return reward, info, n_actions + 2 + len(options)
 
 
+def oracle_action(env):
+    """run_oracle's next action from the current page alone (for a policy that acts one turn at a time): search the
+    goal's words, page to the target, open it, click its options, buy; anything else leads back toward that."""
+    goal, acts = env.goal, env.actions()
+    target = f"click[{goal['asin'].lower()}]"
+    if env.page == "search":
+        return f"search[{search_words(goal)}]"
+    if env.page == "results":
+        return target if target in acts else "click[next >]" if "click[next >]" in acts else "click[back to search]"
+    if env.page == "item" and env.asin.lower() == goal["asin"].lower():
+        options = goal["goal_options"].values() if isinstance(goal["goal_options"], dict) else goal["goal_options"]
+        todo = [v.lower() for v in options if f"click[{v.lower()}]" in acts and v.lower() not in env.options.values()]
+        return f"click[{todo[0]}]" if todo else "click[buy now]"
+    return "click[< prev]"  # another product, or a sub-page
+
+
 def run_random(env, seed, split="test", budget=9):
     """A random clicker: a uniformly random available action, searching 3 random words of the goal."""
     rng = random.Random(seed)
