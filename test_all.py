@@ -55,7 +55,7 @@ def test_no_heavy_imports():
 
 
 def test_instructions_are_ragens_prefix():
-    # RAGEN_SPEC §3.1: the exact first user message prefix for SimpleSokoban
+    # RAGEN's exact first user message prefix for SimpleSokoban
     expected = (
         "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
         "When you are right next to a box, you can push it by moving in the same direction. You cannot push a "
@@ -149,18 +149,18 @@ def test_bandit_payout_means():
         lo.append(env.step("phoenix")[1])
     assert set(lo) == {0.1} and set(hi) == {0.0, 1.0}
     assert abs(sum(hi) / 4000 - 0.25) < 4 * math.sqrt(0.25 * 0.75 / 4000)
-    # RAGEN_SPEC §2.2: RAGEN's own env gave a high-arm mean of 0.2445 over 2000 seeds; ours draws the same numbers
+    # RAGEN's own env gave a high-arm mean of 0.2445 over 2000 seeds; ours draws the same numbers
     assert sum(hi[:2000]) / 2000 == pytest.approx(0.2445)
 
 
 # ----------------------------------------------------------------------------- Sokoban
 def test_sokoban_matches_ragen_room():
     env = SokobanEnv(**SOKOBAN_PRESETS["SimpleSokoban"]["kwargs"])
-    # RAGEN_SPEC §2.3: the room RAGEN renders for seed 10000
+    # the room RAGEN renders for seed 10000
     assert env.reset(10000) == "######\n#O####\n#__###\n#X_###\n#_P_##\n######"
     assert solve(env.render()) == ["Left", "Up", "Up"]
     total = sum(env.step(a)[1] for a in ["Left", "Up", "Up"])
-    assert total == pytest.approx(10.7) and env.done  # RAGEN_SPEC: a 3-move solution totals 10.7
+    assert total == pytest.approx(10.7) and env.done  # RAGEN: a 3-move solution totals 10.7
 
 
 def test_sokoban_push_rules():
@@ -223,14 +223,14 @@ def test_sokoban_generated_rooms_are_solvable(name):
             rewards = [env.step(a)[1] for a in path]
             assert env.done and env.step("Up")[3]["success"]
             assert sum(rewards) == pytest.approx(10 + env.num_boxes - 0.1 * len(path))
-    if name == "SimpleSokoban":  # RAGEN_SPEC §2.3: mean optimal length about 4.1 over 200 seeds
+    if name == "SimpleSokoban":  # RAGEN's generator: mean optimal length about 4.1 over 200 seeds
         assert 3.6 < sum(lengths) / len(lengths) < 4.6
 
 
 # ----------------------------------------------------------------------------- FrozenLake
 def test_frozenlake_matches_ragen_map():
     env = FrozenLakeEnv(**FROZENLAKE_PRESETS["FrozenLake"]["kwargs"])
-    assert env.reset(10000) == "____\n____\n___O\nGP__"  # RAGEN_SPEC §2.4, seed 10000
+    assert env.reset(10000) == "____\n____\n___O\nGP__"  # RAGEN's map for seed 10000
 
 
 def test_frozenlake_maps_have_a_path():
@@ -552,7 +552,7 @@ def test_type_reward_branches():
 
 
 def test_token_set_ratio_and_normalize_color():
-    golden = [("black", ("color", "black"), 100), ("blue", ("color", "dark blue"), 100),  # WEBSHOP.md §1.7 (thefuzz)
+    golden = [("black", ("color", "black"), 100), ("blue", ("color", "dark blue"), 100),  # WebShop's thefuzz token_set_ratio
               ("x-large", ("size", "large"), 83), ("large", ("size", "x-large"), 100),
               ("small", ("size", "x-small"), 100), ("medium", ("size", "large"), 25),
               ("light blue", ("color", "blue"), 60), ("machine wash", "machine washable", 86),
@@ -981,24 +981,6 @@ def test_kl_penalty_kinds():
         starpo.kl_penalty(logp, ref, "full")
 
 
-def test_entropy_chunked():
-    torch.manual_seed(3)
-    logits = (torch.randn(3, 7, 50) * 3).to(torch.bfloat16)
-    mask = torch.rand(3, 7) > 0.3
-    p = torch.softmax(logits.float(), -1)
-    ref = -(p * p.log()).sum(-1) * mask
-    for chunk in (1, 4, 1000):
-        assert close(starpo.entropy(logits, mask, chunk=chunk), ref, 1e-4)
-    assert torch.equal(starpo.entropy(logits, torch.zeros_like(mask)), torch.zeros(3, 7))
-    leaf = torch.randn(2, 4, 30, requires_grad=True)
-    (starpo.entropy(leaf, torch.ones(2, 4), chunk=3).sum()).backward()
-    g1 = leaf.grad.clone()
-    leaf.grad = None
-    q = torch.log_softmax(leaf, -1)
-    (-(q.exp() * q).sum()).backward()
-    assert close(g1, leaf.grad)
-
-
 # ------------------------------------------------------------------ token_logprobs on a tiny Llama
 
 @pytest.fixture(scope="module")
@@ -1131,6 +1113,35 @@ def padded(prompts, left):
     return ids, mask
 
 
+def save_tiny(path, arch="qwen2"):
+    """A tiny model + tokenizer directory, laid out like a hub snapshot."""
+    model, tok = rollout.build_tiny(arch)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def reference_generate(model, prompts, max_new_tokens, stop_ids=()):
+    """Slow greedy oracle: a full HF forward over the whole left-padded batch at every step."""
+    seqs, done = [list(p) for p in prompts], [False] * len(prompts)
+    out = [[] for _ in prompts]
+    for _ in range(max_new_tokens):
+        L = max(len(s) for s in seqs)
+        ids = torch.tensor([[0] * (L - len(s)) + s for s in seqs])
+        mask = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].argmax(-1).tolist()
+        for b, t in enumerate(nxt):
+            if not done[b]:
+                out[b].append(t)
+                seqs[b].append(t)
+                done[b] = t in stop_ids
+        if all(done):
+            break
+    return out
+
+
 def teacher_forced_logp(model, tokens, attention_mask, temperature=1.0):
     """log p(token t | tokens < t) from one plain HF forward, at the position of token t. [B, T]"""
     with torch.no_grad():
@@ -1154,7 +1165,7 @@ def test_tiny_models_build_deterministic_and_leave_rng_alone():  # load time: be
 
 
 def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
-    rollout.save_tiny(tmp_path / "q", arch="qwen2")
+    save_tiny(tmp_path / "q", arch="qwen2")
     model, tok = rollout.load_model(str(tmp_path / "q"))
     ref, ref_tok = rollout.build_tiny("qwen2")
     assert type(model).__name__ == "Qwen2ForCausalLM" and type(tok).__name__ == "Qwen2Tokenizer"
@@ -1182,7 +1193,7 @@ def test_greedy_sampler_matches_references_on_ragged_batches(tiny, left):
     stop = {tok.eos_token_id, tok.pad_token_id}
     ids, mask = padded(prompts, left)
     ours, _ = rollout.generate(model, ids, 24, stop, attention_mask=mask, greedy=True)
-    assert ours == rollout.reference_generate(model, prompts, 24, stop)
+    assert ours == reference_generate(model, prompts, 24, stop)
     hf_ids, hf_mask = padded(prompts, left=True)
     hf = model.generate(input_ids=hf_ids, attention_mask=hf_mask, max_new_tokens=24, do_sample=False,
                         eos_token_id=sorted(stop), pad_token_id=0)[:, hf_ids.shape[1]:]
@@ -1321,12 +1332,11 @@ def test_static_shape_path_gives_the_same_rollout(monkeypatch, tiny):
     model, tok = tiny
     preset, outs = FROZENLAKE_PRESETS["FrozenLake"], []
     for static in (False, True):
-        monkeypatch.setattr(rollout, "STATIC", static)
         envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)]
         envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
         monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Stay"], True))  # only row 1 ends
         outs.append(rollout.rollout(model, tok, envs, [5, 5, 6, 6], preset, group_size=2, max_turns=3, max_new_tokens=12,
-                                    max_context=1500, greedy=True))  # sampling draws depend on the batch shape
+                                    max_context=1500, greedy=True, sampler=rollout.Sampler(static=static)))
     a, b = outs
     assert a["stats"]["num_turns"].tolist()[:2] == [3, 1]
     assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
@@ -1419,10 +1429,9 @@ def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
     monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Right"], True))
     outs = []
     for static in (False, True):
-        monkeypatch.setattr(rollout, "STATIC", static)
         envs = [LongThenDoneEnv(580, ends=True), LongThenDoneEnv(5, ends=False)]  # row 0: 847-token prompt
         outs.append(rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=3, max_new_tokens=40,
-                                    max_context=900, greedy=True, think=False))
+                                    max_context=900, greedy=True, think=False, sampler=rollout.Sampler(static=static)))
     a, b = outs
     assert a["stats"]["num_turns"].tolist() == [1, 3] and a["stats"]["response_tokens"][0] == 40  # row 0 idles at 886
     assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
@@ -1431,17 +1440,35 @@ def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
 def test_one_static_pool_reused_and_replaced_never_duplicated(monkeypatch, tiny):
     # defect 8: one pool, sized for the largest batch; smaller batches run in it, bigger ones replace it
     model, tok = tiny
-    monkeypatch.setattr(rollout, "STATIC", True)
+    static = rollout.Sampler(static=True)
     monkeypatch.setattr(rollout, "_POOL", {})
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three", "four"]]
-    big = rollout.generate(model, prompts, 8, greedy=True)
+    big = rollout.generate(model, prompts, 8, greedy=True, sampler=static)
     k0 = rollout._POOL["kv"][0][0]
-    small = rollout.generate(model, prompts[1:3], 8, greedy=True)          # fits: same tensors, idle extra rows
+    small = rollout.generate(model, prompts[1:3], 8, greedy=True, sampler=static)  # fits: same tensors, idle extra rows
     assert rollout._POOL["kv"][0][0] is k0 and small[0] == big[0][1:3]
-    rollout.generate(model, prompts * 2, 8, greedy=True)                   # 8 rows: replaces the pool
+    rollout.generate(model, prompts * 2, 8, greedy=True, sampler=static)           # 8 rows: replaces the pool
     assert len(rollout._POOL) == 1 and rollout._POOL["kv"][0][0].shape[0] == 8
-    eager = (monkeypatch.setattr(rollout, "STATIC", False), rollout.generate(model, prompts, 8, greedy=True))[1]
+    eager = rollout.generate(model, prompts, 8, greedy=True)
     assert eager[0] == big[0]
+
+
+def test_attention_mask_is_built_once_per_forward_in_the_compute_dtype(monkeypatch, tiny):
+    # every layer gets the same folded mask tensor (at 128 rows it is ~0.5 GB bool per copy), and it is additive in
+    # the query's dtype, so SDPA does not convert a bool mask again in every layer either
+    model, tok = tiny
+    masks, real = [], torch.nn.functional.scaled_dot_product_attention
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        masks.append((attn_mask, q.dtype))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
+    rollout.generate(model, prompts, 3, greedy=True)
+    per_forward = len(model.model.layers)
+    assert len(masks) >= 3 * per_forward and len(masks) % per_forward == 0  # prefill (maybe in parts) + 2 decode steps
+    for f in range(len(masks) // per_forward):
+        group = masks[f * per_forward:(f + 1) * per_forward]
+        assert all(m is group[0][0] and m.dtype == dt for m, dt in group)
 
 
 def test_folded_gqa_attention_equals_hf_at_qwen_head_ratio():
@@ -1453,7 +1480,7 @@ def test_folded_gqa_attention_equals_hf_at_qwen_head_ratio():
                                              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)).eval()
     prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 47))]
     ours, lps = rollout.generate(model, prompts, 10, greedy=True)
-    assert ours == rollout.reference_generate(model, prompts, 10)
+    assert ours == reference_generate(model, prompts, 10)
     for p, o, lp in zip(prompts, ours, lps):
         x = torch.tensor([p + o])
         assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x))[0, len(p):], torch.tensor(lp), atol=1e-4)
@@ -1472,30 +1499,30 @@ def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_i
     from torch._inductor.utils import run_and_get_code
     model, tok = tiny
     preset = FROZENLAKE_PRESETS["FrozenLake"]
-    run = lambda: rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [5, 5, 6, 6], preset,
-                                  group_size=2, max_turns=2, max_new_tokens=12, max_context=1200, think=False, sample_seed=4)
+    run = lambda sampler=None: rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [5, 5, 6, 6],
+                                               preset, group_size=2, max_turns=2, max_new_tokens=12, max_context=1200,
+                                               think=False, sample_seed=4, sampler=sampler)
     eager = run()
     assert eager["stats"]["num_turns"].tolist() == [2] * 4
     monkeypatch.setattr(rollout, "_POOL", {})
     monkeypatch.setattr(rollout, "_COMPILED", {})
-    for k, v in dict(STATIC=True, COMPILE="inductor", DONE_CHECK_EVERY=8).items():
-        monkeypatch.setattr(rollout, k, v)
-    fast, codes = run_and_get_code(run)
+    compiled = rollout.Sampler(static=True, compile="inductor", check_every=8)
+    fast, codes = run_and_get_code(run, compiled)
     assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
     k = rollout._POOL["kv"][0][0]
     layer_cache = k.numel()
     assert codes and all(math.prod(s) < layer_cache for c in codes for s in allocations(c))
     ptrs = [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]]
-    again = run()
+    again = run(compiled)
     assert [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]] == ptrs
     assert torch.equal(again["tokens"], eager["tokens"])
 
 
 def test_memory_plan_matches_what_the_cpu_measures():
-    # bench.plan_memory's parts against the same quantities measured on small Qwen2-shaped models: bytes autograd
+    # memplan.plan_memory's parts against the same quantities measured on small Qwen2-shaped models: bytes autograd
     # holds for backward (fp32 and bf16 autocast, with and without checkpointing), weights / grads / AdamW states
     # after a real step, and the static KV pool the sampler allocates. Within 15%.
-    import bench
+    import memplan
     from transformers import Qwen2Config, Qwen2ForCausalLM
     for d, I, H, KV, L, V, micro, seq, bf16, ckpt in [(96, 256, 6, 2, 3, 500, 2, 100, False, False),
                                                       (128, 344, 8, 4, 4, 1000, 3, 80, True, False),
@@ -1520,7 +1547,7 @@ def test_memory_plan_matches_what_the_cpu_measures():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
             logp, ent = starpo.token_logprobs(model, tokens, torch.ones_like(tokens, dtype=torch.bool), with_entropy=True)
         (logp.sum() + ent.sum()).backward()
-        plan = bench.plan_memory(cfg, world=1, rows=4, micro=micro, seq=seq, critic=False, bf16=bf16, ckpt=ckpt)
+        plan = memplan.plan_memory(cfg, world=1, rows=4, micro=micro, seq=seq, critic=False, bf16=bf16, ckpt=ckpt)
         want = plan["activations"] + (plan["weight_casts"] if bf16 else 0)
         assert held[0] == pytest.approx(want, rel=0.15), (d, bf16, ckpt, held[0], want)
         opt = torch.optim.AdamW(model.parameters())
@@ -1533,15 +1560,14 @@ def test_memory_plan_matches_what_the_cpu_measures():
 
 
 def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny):
-    import bench
+    import memplan
     model, tok = tiny
-    monkeypatch.setattr(rollout, "STATIC", True)
     monkeypatch.setattr(rollout, "_POOL", {})
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2], preset, group_size=2,
-                    max_turns=1, max_new_tokens=4, max_context=1000)
+                    max_turns=1, max_new_tokens=4, max_context=1000, sampler=rollout.Sampler(static=True))
     pool = sum(x.numel() * x.element_size() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1])
-    assert bench.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
+    assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -1561,6 +1587,177 @@ def bench_model_qwen_shape(layers):
 
 
 # ==================================================================================================
+# CUDA graphs emulated on the CPU (bench.GraphReplayBackend, bench.RecordingBackend)
+# ==================================================================================================
+
+def emulated_rollout(model, tok, sampler=None, seeds=(5, 5, 6, 6), **kw):
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    return rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset,
+                           group_size=2, **dict(dict(max_turns=2, max_new_tokens=12, max_context=1200, think=False,
+                                                     sample_seed=4, sampler=sampler), **kw))
+
+
+def test_compiled_sampler_never_reads_an_output_after_the_next_compiled_call(monkeypatch, tiny):
+    # a CUDA-graph replay reuses its output buffers (graph trees free them as the next compiled call starts): under
+    # the emulation every compiled path (sample_next after the prefill, decode_step) must give the eager tokens
+    import bench
+    model, tok = tiny
+    torch._dynamo.reset()
+    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(rollout, "_COMPILED", {})
+    eager = emulated_rollout(model, tok)
+    replay = bench.GraphReplayBackend()
+    fast = emulated_rollout(model, tok, rollout.Sampler(static=True, compile=replay, check_every=8))
+    assert replay.graphs >= 2 and replay.calls > 20  # both functions compiled, every token through them
+    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
+    (a, la), (b, lb) = [rollout.generate(model, prompts, 10, temperature=0.7, top_p=0.9, seed=2, sampler=s)
+                        for s in (rollout.Sampler(static=True, compile=replay, check_every=4), None)]
+    assert a == b and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(la, lb))
+
+
+def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_buckets(monkeypatch, tiny):
+    # inductor drops CUDA graphs for a graph with a CPU input, and dynamo makes a float64 CPU tensor of a Python
+    # float whose value changes (the temperature: validation 0.5, training 1.0). Several steps of validation +
+    # training, several turns each: every graph is free of such inputs, sample_next compiles once, and decode_step
+    # at most twice (dynamo makes the key length symbolic on its second bucket)
+    import bench
+    model, tok = tiny
+    torch._dynamo.reset()
+    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(rollout, "_COMPILED", {})
+    rec = bench.RecordingBackend(bench.GraphReplayBackend())
+    sampler = rollout.Sampler(static=True, compile=rec, check_every=8)
+    for step in range(3):
+        for temperature in (0.5, 1.0):  # validation, then training
+            out = emulated_rollout(model, tok, sampler, seeds=(step, step, step + 1, step + 1), max_turns=3,
+                                   temperature=temperature, top_p=0.95)
+    assert out["tokens"].shape[1] > 2 * 128  # the key length crossed buckets
+    assert [g["cpu_scalars"] for g in rec.graphs if g["cpu_scalars"]] == []
+    sample = [g for g in rec.graphs if any("logits" in n for n in g["inputs"])]
+    assert len(sample) == 1 and len(rec.graphs) - len(sample) <= 2, [g["inputs"] for g in rec.graphs]
+
+
+def test_gpu_check_runs_on_the_cpu_with_the_emulations():
+    # bench.py --gpu-check off a GPU: the same five checks, CUDA graphs emulated, the tiny model; exit 0 = all PASS
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check"], capture_output=True, text=True,
+                       cwd=HERE, env=dict(train_env(), CUDA_VISIBLE_DEVICES=""), timeout=600)
+    lines = [l for l in r.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
+    assert r.returncode == 0 and len(lines) == 5 and all(l.startswith("PASS") for l in lines), r.stdout + r.stderr[-3000:]
+
+
+# ==================================================================================================
+# Log-probs from fp32 logits (rollout.forward_cached, starpo.token_logprobs)
+# ==================================================================================================
+
+def large_logit_model():
+    """The tiny model with its final norm scaled so that the top logits lie in [16, 32), where bf16's spacing is
+    0.125: a bf16 logit is off by up to 0.0625, and so is every log-prob taken from it."""
+    model, tok = rollout.build_tiny()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(20.0)
+    return model, tok
+
+
+def test_sampler_logits_are_fp32_for_a_bf16_model():
+    model, tok = large_logit_model()
+    model = model.to(torch.bfloat16)
+    seen = []
+    model.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    ids = torch.tensor([tok.encode("hello world, a prompt", add_special_tokens=False)])  # [1, T]
+    cache = rollout.KVCache(model, 1, ids.shape[1] + 1)
+    with torch.no_grad():
+        ours = rollout.forward_cached(model, cache.k, cache.v, cache.lens, ids, torch.tensor([ids.shape[1]]), ids.shape[1])
+    want = seen[-1].float() @ model.lm_head.weight.float().T  # [1, V] the bf16 model's hidden state, fp32 product
+    assert ours.dtype == torch.float32 and want.abs().max() >= 16
+    rounded = (want.to(torch.bfloat16).float() - want).abs().max()  # what a bf16 logit loses here
+    assert rounded > 0.01 and (ours - want).abs().max() < 1e-4, ((ours - want).abs().max(), rounded)
+
+
+def test_token_logprobs_under_bf16_autocast_come_from_fp32_logits():
+    model, tok = large_logit_model()
+    tokens = torch.tensor([tok.encode("a longer sentence for the log-probs", add_special_tokens=False)])  # [1, T]
+    am = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        lp, _ = starpo.token_logprobs(model, tokens, am)
+        hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states[-1][0, :-1]  # [T-1, d]
+    logits = hidden.float() @ model.lm_head.weight.float().T  # [T-1, V] fp32
+    want = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
+    assert logits.abs().max() >= 16
+    bf16 = torch.log_softmax(logits.to(torch.bfloat16).float(), -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
+    assert (bf16 - want).abs().max() > 0.01 and (lp[0, 1:] - want).abs().max() < 1e-4, (lp[0, 1:] - want).abs().max()
+
+
+# ------------------------------------------------------------------ prefix-shared prefill
+
+def test_shared_prefixes_tree_and_saved_tokens():
+    # rows 0-2 share [1, 2, 3]; rows 0 and 1 share a 4th token; row 3 stops after its shared token; row 4 idles;
+    # row 5 shares nothing. Every row keeps its last token to itself.
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6, 7], [1, 2, 3, 9], [1, 2], [], [8, 8]]
+    nodes, saved = rollout.shared_prefixes(prompts)
+    assert nodes == [(-1, 0, 1, [0, 1, 2, 3]), (0, 1, 3, [0, 1, 2]), (1, 3, 4, [0, 1])]
+    assert saved == [0, 1 + 2 + 1, 1 + 2, 1, 0, 0]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_prefix_shared_prefill_is_exact(tiny, static):
+    # the same tokens and log-probs (1e-5) with and without sharing: single turn (a tree of shared prefixes, a
+    # group of identical prompts, a prompt that is another's prefix, an idle row), and whole rollouts with groups,
+    # think and no-think, episodes that end early (idle rows) and the re-prefill path (every turn from slot 0)
+    model, tok = tiny
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    head = enc("<|im_start|>system\nYou are a walker. Walk to the right end of the corridor.\n")
+    prompts = [head + enc("board A\n")] * 3 + [head + enc("board B\n"), head + enc("board"), [], head[:5] + enc("x"),
+                                               enc("nothing shared at all")]
+    sampler = rollout.Sampler(static=static)
+    runs = []
+    for share in (True, False):
+        cache = rollout.KVCache(model, 10 if static else len(prompts), 256, static=static)  # static: 2 extra idle rows
+        keys = rollout.row_keys([0] * len(prompts), range(len(prompts)))
+        runs.append(rollout.sample_turn(model, cache, prompts, 12, (), keys, 0.8, 1.0, False, sampler, share))
+    (ta, la), (tb, lb) = runs
+    assert ta == tb and [len(t) for t in ta] == [12] * 5 + [0] + [12] * 2
+    assert max(abs(x - y) for ra, rb in zip(la, lb) for x, y in zip(ra, rb)) < 1e-5
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    for think, reuse in ((True, True), (False, True), (True, False)):
+        outs = []
+        for share in (True, False):
+            envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(6)]
+            envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
+            outs.append(rollout.rollout(model, tok, envs, [5, 5, 5, 7, 7, 7], preset, group_size=3, max_turns=3,
+                                        max_new_tokens=10, max_context=1500, think=think, kv_reuse=reuse,
+                                        sampler=sampler, share_prefixes=share))
+        a, b = outs
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
+        saved, prefilled = a["stats"]["prefill_saved"], a["stats"]["prefill_tokens"]
+        assert b["stats"]["prefill_saved"].sum() == 0 and torch.equal(prefilled, b["stats"]["prefill_tokens"])
+        # row 0 computes its whole prompt; the others copy what they share with it (row 3: the instructions)
+        assert saved[0] == 0 and (saved[1:] > 0).all() and (saved < prefilled).all()
+
+
+def test_prefix_shared_trunk_passes_are_exact(tiny):
+    # the update's passes with the rows' common prefix run once: the same log-probs, entropies, hidden states
+    # (the critic's input) and gradients as every row computed in full; right padding included
+    import copy
+    model = tiny[0]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.cat([torch.randint(3, 250, (1, 25), generator=g).expand(4, -1), torch.randint(3, 250, (4, 15), generator=g)], 1)
+    am = torch.ones(4, 40, dtype=torch.bool)
+    am[1, 35:] = am[3, 30:] = False                                    # [4, 40] ragged rows
+    lm = am.clone()
+    lm[:, :27] = False
+    res = []
+    for share in (False, True):
+        m = copy.deepcopy(model).train()
+        lp, ent = starpo.token_logprobs(m, tokens, am, with_entropy=True, mask=lm, share_prefix=share)
+        h = starpo.last_hidden(m.model, tokens, am, share)
+        (lp.sum() + ent.sum() + (h * am[..., None]).sum()).backward()
+        res.append([lp, ent, h * am[..., None]] + [p.grad for p in m.parameters()])
+    for a, b in zip(*res):  # fp32 rounding: sums in another order
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, a.abs().max()), (a - b).abs().max()
+
+
+# ==================================================================================================
 # Evaluation and plots (eval.py)
 # ==================================================================================================
 
@@ -1569,7 +1766,9 @@ TINY_EVAL = ["--model", "tiny", "--num-seeds", "2", "--samples", "2", "--max-new
 
 
 def run_eval(*flags):
+    """eval.py on the CPU whatever GPUs the machine has (the suite's numbers are CPU numbers)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    flags = flags if "--device" in flags else ("--device", "cpu", *flags)
     return subprocess.run([sys.executable, os.path.join(HERE, "eval.py"), *flags], capture_output=True, text=True,
                           cwd=HERE, env=env, timeout=600)
 
@@ -1635,7 +1834,7 @@ def test_train_run_then_eval_run_dir_and_plot(tmp_path):
     """A real 2-step tiny train.py run: eval.py loads <run>/hf with the run's flags, --plot draws its curves."""
     run = str(tmp_path / "run")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model", "tiny", "--env", "bandit", "--steps", "2",
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--device", "cpu", "--model", "tiny", "--env", "bandit", "--steps", "2",
                         "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
                         "--max-new-tokens", "12", "--max-turns", "2", "--val-groups", "2", "--val-every", "1",
                         "--no-think", "--out", run], capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
@@ -1652,6 +1851,24 @@ def test_train_run_then_eval_run_dir_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     png = os.path.join(run, "curves.png")
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
+
+
+@pytest.mark.parametrize("window", [[], ["--max-context-window", "1", "--top-p", "0.9", "--seed", "7"]])
+def test_eval_of_a_run_dir_reproduces_its_last_validation(tmp_path, window):
+    # eval.py --model <run> samples as the run validated: same seeds, window, top-p, sampling keys (the run's --seed)
+    run = str(tmp_path / "run")
+    run_train(*TINY, "--env", "frozenlake", "--algo", "grpo", "--steps", "1", "--val-groups", "6", "--val-every", "1",
+              "--max-turns", "3", "--val-temperature", "1.0", *window, "--out", run)
+    last = read_metrics(run)[-1]
+    r = run_eval("--model", run, "--num-seeds", "6", "--out", str(tmp_path / "ev"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.load(open(tmp_path / "ev" / "summary.json"))
+    got, a = s["results"]["FrozenLake"], s["args"]
+    assert last["val-env/FrozenLake/num_turns"] > 1  # later turns exist, so the window changes what is shown
+    for ours, theirs in (("score", "score"), ("success", "success"), ("response_tokens", "response_tokens"),
+                         ("turns", "num_turns")):  # the run logs fp32 means
+        assert got[ours] == pytest.approx(last[f"val-env/FrozenLake/{theirs}"], rel=1e-6), ours
+    assert (a["max_context_window"], a["top_p"], a["sample_seed"]) == ((1, 0.9, 7) if window else (-1, 1.0, 10000))  # train.py: --seed 10000
 
 
 def test_plot_hand_written_metrics(tmp_path):
@@ -1708,7 +1925,7 @@ def test_bad_input_run_dirs(tmp_path, capsys):
 # Training script end to end (train.py, subprocesses incl. torchrun)
 # ==================================================================================================
 
-TINY = ["--model", "tiny", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
+TINY = ["--device", "cpu", "--model", "tiny", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
         "--micro-batch-size", "2", "--max-new-tokens", "12", "--max-turns", "2", "--val-groups", "2", "--val-every", "2",
         "--log-trajectories-every", "1"]
 
@@ -1721,9 +1938,13 @@ def train_env():
     return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def run_train(*flags, torchrun=0, check=True):
+def run_train(*flags, torchrun=0, check=True, env=None):
+    """train.py (on torchrun ranks) on the CPU unless the flags name a device: on a GPU machine a plain run would
+    take CUDA (bf16, compiled sampler) and a 2-rank run would ask for cuda:1; the suite's tolerances are CPU ones."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
-    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
+    flags = flags if "--device" in flags else ("--device", "cpu", *flags)
+    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE,
+                       env=dict(train_env(), **(env or {})), timeout=600)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -1840,14 +2061,17 @@ def test_paper_shape_step_at_reduced_depth(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).config.vocab_size == 151936
 
 
-def test_injected_nan_is_skipped(tmp_path):
-    out = str(tmp_path / "nan")
-    r = run_train(*TINY, "--env", "bandit", "--algo", "grpo", "--steps", "2", "--val-every", "0", "--inject-nan", "0", "--out", out)
-    ms = read_metrics(out)
-    assert ms[0]["actor/skipped_updates"] == 1 and ms[1]["actor/skipped_updates"] == 1
-    w = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
-    assert all(torch.isfinite(v).all() for v in w.values())
-    assert "update skipped" in r.stdout
+def test_clip_and_step_skips_a_non_finite_gradient():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    (model(torch.ones(1, 3)).sum() * float("nan")).backward()
+    assert math.isnan(starpo.clip_and_step(model, opt, 1.0))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no step, weights finite
+    assert all(p.grad is None for p in model.parameters())  # the NaN gradient is dropped, not accumulated
+    model(torch.ones(1, 3)).sum().mul(100).backward()
+    gn = starpo.clip_and_step(model, opt, 1.0)
+    assert math.isfinite(gn) and gn > 1 and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -2485,6 +2709,22 @@ LORA = [*TINY, "--env", "sokoban", "--algo", "ppo", "--lora-rank", "4", "--kl-co
         "--critic-lr", "1e-2", "--val-every", "0"]
 
 
+def test_lora_errors_name_their_cause(tmp_path):
+    # an install whose peft is older than transformers' LoRA integration needs: the real cause, in one line
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as md\n_v = md.version\n"
+        "md.version = lambda name: '0.1.0' if name == 'peft' else _v(name)\n")
+    env = dict(train_env(), PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *LORA, "--steps", "1", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in said, said[-2000:]
+    assert "peft 0.1.0" in said and "transformers 5." in said and "--lora-target" not in said, said
+    r = run_train(*LORA, "--lora-target", "no_such_proj", "--steps", "1", "--out", str(tmp_path / "t"), check=False)
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "--lora-target 'no_such_proj'" in said and "Traceback" not in said, said[-2000:]
+
+
 def test_lora_run_resume_two_ranks_and_export(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -2631,16 +2871,42 @@ def test_group_advantages_match_verl_loops(kind):
     assert starpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), kind).shape == (0,)
 
 
-def test_reinforce_pp_returns_reset_at_observations():
+def test_reinforce_pp_returns_carry_across_observations():
     rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 0.0, 0.0]])  # [2, 5]
     mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]])  # row 0: an observation token at 1, padding at 4
     adv, ret = starpo.reinforce_pp_advantages(rewards, mask, gamma=0.5)
-    # row 0 backwards: t3 1, t2 .5, t1 (mask 0) .25 then reset, t0 0; row 1: .5 at t2, .25, .125
-    assert close(ret[0], [0.0, 0.25, 0.5, 1.0, 0.0]) and close(ret[1], [0.125, 0.25, 0.5, 0.0, 0.0])
-    on = [0.0, 0.5, 1.0, 0.125, 0.25, 0.5]  # the masked returns, whitened with an unbiased variance
+    # row 0 backwards: t3 1, t2 .5, t1 (mask 0) no step: 0 and .5 carried, t0 .25; row 1: .5 at t2, .25, .125
+    assert close(ret[0], [0.25, 0.0, 0.5, 1.0, 0.0]) and close(ret[1], [0.125, 0.25, 0.5, 0.0, 0.0])
+    on = [0.25, 0.5, 1.0, 0.125, 0.25, 0.5]  # the masked returns, whitened with an unbiased variance
     mu, var = sum(on) / 6, sum((x - sum(on) / 6) ** 2 for x in on) / 5
     want = [[(x - mu) / math.sqrt(var + 1e-8) * m for x, m in zip(r, mr)] for r, mr in zip(ret.tolist(), mask.tolist())]
     assert close(adv, want, 1e-5)
+
+
+def test_constant_groups_have_exactly_zero_std():
+    # x - mean(x) is not 0 in fp32 for a constant group of 0.1 or -0.1 (the mean rounds), so a shifted formula
+    # is needed: RAGEN-2's torch.std gives exactly 0, and its include_zero=False drops such groups
+    for v in (-0.1, 0.9, 0.1, 1 / 3, -0.3, 1e6 + 0.1):
+        for n in (2, 3, 5, 8, 16):
+            x = torch.full((n,), v, dtype=torch.float32)
+            assert starpo._group_std(x).item() == 0.0, (v, n)
+            assert starpo._group_std(x.view(1, n).expand(3, n)).eq(0).all()
+    s = [-0.1] * 8 + [0.9] * 8 + [0.0, 1.0] * 4 + [0.1] * 8  # three constant groups, one spread
+    for strategy, mode in (("top_p", "softmax"), ("top_p", "linear"), ("top_k", "linear"), ("min_p", "linear")):
+        got = kept_groups(s, 8, 0.9 if strategy != "top_k" else 0.25, "std", strategy, include_zero=False,
+                          top_p_mode=mode)[0]
+        assert got == {2}, (strategy, mode, got)
+    assert kept_groups([0.1] * 4 + [0.9] * 4, 4, 0.5, "std", "top_k")[0] == {0}  # all zero: the lower index
+
+
+def test_seq_mean_aggregation_counts_only_rows_with_a_loss_token():
+    x = torch.tensor([[1.0, 2.0, 0.0], [5.0, 5.0, 5.0], [3.0, 0.0, 0.0]])  # [3, 3]
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])  # row 1 has no loss token
+    # veRL agg_loss: the per-row token sums (3, 3) or token means (1.5, 3), averaged over the 2 rows that have one
+    assert starpo.aggregate(x, mask, "seq-mean-token-sum").item() == 3.0
+    assert starpo.aggregate(x, mask, "seq-mean-token-mean").item() == 2.25
+    assert starpo.aggregate(x, mask, "seq-mean-token-sum", seq_count=3).item() == 2.0  # a global count wins
+    assert starpo.aggregate(x, torch.zeros_like(mask), "seq-mean-token-sum").item() == 0.0  # never NaN
 
 
 def test_adjust_rows_copy_delete():
@@ -2831,3 +3097,315 @@ def test_help_is_grouped_and_shows_defaults():
     assert titles[-7:] == ["environment and agent loop", "model", "batch sizes", "algorithm", "optimisation", "validation", "run"]
     for text in ["--filter-ratio FILTER_RATIO", "(default: 0.25)", "(default: 1e-06)", "--demo", "(default: ['sokoban'])"]:
         assert text in r.stdout, text
+
+
+# ==================================================================================================
+# Memory plan and the update's memory path (memplan.py, train.py --plan)
+# ==================================================================================================
+
+def tiny_config():
+    return rollout.build_tiny("llama")[0].config
+
+
+def test_memory_plan_hand_computed_for_an_untied_config():
+    # d 8, I 12, 2 layers, 2 heads of 4 on 1 KV head, vocab 20, untied: every part by hand, on 2 ranks, bf16, PPO
+    # with a reference model, 4 rows rolled out, mini-batch 4 in micro-batches of 1, 10-token conversations
+    import memplan
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=20, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    # the parameter counts the plan is built on, against the model: linear 8*(8+4+4) + 8*8 + 3*8*12 = 480 per layer,
+    # + biases 4+4+8 and norms 16 = 512; root 2 embeddings of 20*8 + final norm 8 = 328; P = 2*512 + 328 = 1352
+    a = model.model.layers[0]
+    linear = sum(m.weight.numel() for m in (a.self_attn.q_proj, a.self_attn.k_proj, a.self_attn.v_proj, a.self_attn.o_proj,
+                                            a.mlp.gate_proj, a.mlp.up_proj, a.mlp.down_proj))
+    assert (linear, sum(p.numel() for p in a.parameters()), sum(p.numel() for p in model.parameters())) == (480, 512, 1352)
+    plan = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=True, ref=True, bf16=True)
+    want = dict(weights=4 * 1352 / 2, grads=4 * 1352 / 2, adamw=8 * 1352 / 2,
+                critic=16 * (1352 - 160 + 8 + 1) / 2,          # the trunk: no lm_head, + value head (8 + 1)
+                reference=4 * 1352 / 2, rollout_copy=2 * 1352, lora_base=0,
+                kv_pool=2 * 2 * (4 // 2) * 1 * 128 * 4 * 2,   # layers x K,V x rows per rank x KV heads x 128 slots x D x bf16
+                # bf16 autocast per token per layer 26*8 + 8 + 4*8 + 4*4 + 4*2 + 8*12 = 368, outside 12*8 + 8 = 104
+                activations=(2 * 368 + 104) * 10, recompute=0,
+                weight_casts=2 * (328 + 2 * 512),             # bf16 root (both embeddings) + two blocks, all-gathered
+                # bf16 grads + fp32 reduce-scatter input of root + two blocks, + 2 micro-batches per rank: fp32 unsharded
+                grad_buffers=(2 + 4) * (328 + 2 * 512) + 4 * 1352,
+                logprob_chunk=4 * 10 * 20 * 4,                # 10 positions (< the 256 chunk) x vocab 20, four fp32 tensors
+                logprob_backward=2 * 10 * 20 * 4 + 2 * 160)   # two fp32 gradients of the chunk + lm_head's bf16 weight grad
+    want["total"] = sum(want.values())
+    assert plan == pytest.approx(want) and want["total"] == 63768
+    # one process, fp32, no critic: no rollout copy, no FSDP buffers, no casts
+    one = memplan.plan_memory(cfg, world=1, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=False)
+    assert one["rollout_copy"] == one["grad_buffers"] == one["weight_casts"] == one["critic"] == 0
+    # LoRA rank 2 on 2 ranks: adapters 2*(7*8 + 2*8 + 2*4 + 3*12) = 232 per layer train; the base of the adapted
+    # weights (480 per layer) is gathered once in bf16 for the rollout copy
+    lora = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=True, lora_rank=2)
+    assert (lora["grads"], lora["adamw"], lora["lora_base"]) == (4 * 464 / 2, 8 * 464 / 2, 2 * 2 * 480)
+
+
+def test_plan_prints_the_parts_and_exits_without_training(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--kl-coef", "0.1", "--plan", "2", "--out", out)
+    for part in ("weights", "critic", "reference", "rollout_copy", "kv_pool", "activations", "weight_casts",
+                 "grad_buffers", "logprob_chunk", "logprob_backward", "total"):
+        assert f"  {part} " in r.stdout, part
+    assert "2 ranks" in r.stdout and "loading --model" not in r.stdout
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl")) and not os.path.exists(os.path.join(out, "ckpt.pt"))
+
+
+def test_train_refuses_a_plan_that_does_not_fit_and_names_the_flags_that_would(tmp_path):
+    import memplan
+    kw = dict(world=1, rows=4, mini=4, micro=2, seq=3600, critic=True, bf16=False)
+    with_ckpt, without = (memplan.plan_memory(tiny_config(), ckpt=c, **kw)["total"] for c in (True, False))
+    gb = (with_ckpt + without) / 2 / memplan.HEADROOM / 2**30  # a card between the two
+    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0"]
+    r = run_train(*flags, "--gpu-memory-gb", str(gb), "--out", str(tmp_path / "no"), check=False)
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "does not fit" in said and "--grad-checkpointing" in said and "--force" in said, said
+    assert "loading --model" not in r.stdout and "Traceback" not in said
+    r = run_train(*flags, "--gpu-memory-gb", str(gb), "--force", "--out", str(tmp_path / "forced"))
+    assert f"memory plan: {without / 2**30:.2f} GB per rank" in r.stdout, r.stdout
+    run_train(*flags, "--gpu-memory-gb", str(gb), "--grad-checkpointing", "--out", str(tmp_path / "ckpt"))
+
+
+# Under autocast, every Linear's output scaled by 1 + k/256 with k = (rows of the GEMM) mod 7: a GEMM whose last bits
+# depend on its shape, as cuBLAS picks its kernel (and split-K) by shape; the CPU's bf16 GEMMs round alike at any shape
+SHAPE_ROUNDING = ("import torch, torch.nn.functional as F\n_linear = F.linear\n"
+                  "F.linear = lambda x, w, b=None: _linear(x, w, b) * (1 + (x.numel() // x.shape[-1] % 7) / 256 "
+                  "* torch.is_autocast_enabled('cpu'))\n")
+
+
+@pytest.mark.parametrize("micro", ["1", "3"])
+def test_lr_zero_bf16_ratio_is_exactly_one(tmp_path, micro):
+    # old log-probs and the update see the same rows in the same micro-batches at the same padded length, so
+    # under bf16 autocast the GEMMs have the same shapes and the ratio is 1 to the last bit at --lr 0, even where
+    # the GEMMs' rounding depends on their shape (SHAPE_ROUNDING)
+    (tmp_path / "sitecustomize.py").write_text(SHAPE_ROUNDING)
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--group-size", "4", "--mini-batch-size", "4",
+              "--micro-batch-size", micro, "--dtype", "bf16", "--lr", "0", "--critic-lr", "0", "--filter-ratio", "1",
+              "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--max-new-tokens", "24", "--out", out,
+              env=dict(PYTHONPATH=str(tmp_path)))
+    m = read_metrics(out)[0]
+    assert m["train/batch_size"] == 8
+    assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"], m["actor/approx_kl"]) == (1.0, 1.0, 0.0, 0.0), m
+
+
+# ==================================================================================================
+# Supervised warm-up (sft.py): demonstrations laid out by the rollout, cross-entropy on the answers
+# ==================================================================================================
+
+import sft
+
+
+def demo_rollout(model, tok, key, policy, seeds, think=True, epsilon=0.5, respond_log=None, **over):
+    """Demonstrations of one preset through rollout()'s respond hook; respond_log collects (b, answer text)."""
+    flags = dict(ev.DEFAULTS, no_think=not think, max_turns=None, max_actions_per_turn=None, max_context=None,
+                 max_actions_per_traj=None)
+    flags.update(over)
+    settings = ev.agent_settings(key, flags)
+    cls = ev.ENV_CLASSES[key][0]
+    envs = [cls(**settings["preset"]["kwargs"]) for _ in seeds]
+    respond = sft.demo_responder(policy, epsilon, seeds, settings, 7)
+    logged = lambda b, env: respond_log.append((b, respond(b, env))) or respond_log[-1][1]
+    out = rollout.rollout(model, tok, envs, seeds, group_size=1, respond=respond if respond_log is None else logged,
+                          sampler=rollout.Sampler(), **settings)
+    return out, settings
+
+
+@pytest.mark.parametrize("key,think", [("CoordFrozenLakeDet", True), ("SimpleSokoban", False), ("Bandit", True)])
+def test_demonstration_is_what_the_sampling_rollout_lays_out(tiny, monkeypatch, key, think):
+    # the same answers, once written by respond and once "sampled" (sample_turn forced to emit their tokens):
+    # every token, mask bit, turn end, reward and success agree
+    model, tok = tiny
+    for seed in (10000, 10001, 10002):
+        texts = []
+        demo, settings = demo_rollout(model, tok, key, "mix", [seed], think=think, respond_log=texts)
+        queue = [tok.encode(t, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")] for _, t in texts]
+
+        def forced(model, cache, todo, *a, **k):
+            assert len(todo) == 1
+            out = queue.pop(0)
+            return [out], [[-1.0] * len(out)]
+        monkeypatch.setattr(rollout, "sample_turn", forced)
+        cls = ev.ENV_CLASSES[key][0]
+        sampled = rollout.rollout(model, tok, [cls(**settings["preset"]["kwargs"])], [seed], group_size=1, **settings)
+        monkeypatch.undo()
+        assert not queue
+        for k in ("tokens", "attention_mask", "loss_mask", "success", "scores"):
+            assert torch.equal(demo[k], sampled[k]), (key, seed, k)
+        assert demo["turn_ends"] == sampled["turn_ends"] and demo["turn_rewards"] == sampled["turn_rewards"]
+        assert demo["stats"]["format_errors"].item() == 0 and demo["stats"]["invalid_actions"].item() == 0
+
+
+def test_demonstration_mask_covers_exactly_the_answers(tiny):
+    # the masked spans, one per turn, decode to the policy's answer plus the end-of-turn token; each follows the
+    # forced tag and is followed by the unmasked newline that closes the turn
+    model, tok = tiny
+    for think in (True, False):
+        texts = []
+        out, settings = demo_rollout(model, tok, "CoordFrozenLakeDet", "random", [10000, 10001, 10002], think=think,
+                                     respond_log=texts)
+        forced = "<think>" if think else "<answer>"
+        for b in range(3):
+            ids, mask = out["tokens"][b].tolist(), out["loss_mask"][b].tolist()
+            spans, start = [], None
+            for i, m in enumerate(mask + [False]):
+                if m and start is None:
+                    start = i
+                if not m and start is not None:
+                    spans.append((start, i))
+                    start = None
+            mine = [t for c, t in texts if c == b]
+            assert len(spans) == len(mine) == len(out["turn_ends"][b]) == int(out["stats"]["num_turns"][b])
+            for (s, e), text in zip(spans, mine):
+                assert tok.decode(ids[s:e]) == text + "<|im_end|>"
+                assert tok.decode(ids[:s]).endswith("<|im_start|>assistant\n" + forced)
+                assert tok.decode(ids[e:e + 1]) == "\n"
+            assert sum(mask) == sum(e - s for s, e in spans)
+
+
+def test_demonstration_policies():
+    # solver demonstrations win every episode given the turns; random and mixed ones are all valid moves; mix
+    # at epsilon 0 is the solver
+    model, tok = rollout.load_model("tiny")
+    seeds = list(range(10000, 10008))
+    for key in ("CoordFrozenLakeDet", "SimpleSokoban", "Bandit", "Countdown"):
+        out, _ = demo_rollout(model, tok, key, "solver", seeds, max_turns=10)
+        assert out["success"].all(), key
+        for policy in ("random", "mix"):
+            ran, _ = demo_rollout(model, tok, key, policy, seeds)
+            assert ran["stats"]["invalid_actions"].sum() == 0 and ran["stats"]["format_errors"].sum() == 0, key
+        assert torch.equal(demo_rollout(model, tok, key, "mix", seeds, epsilon=0.0, max_turns=10)[0]["tokens"], out["tokens"])
+
+
+def test_frozenlake_shortest_path_hand_made():
+    env = FrozenLakeEnv(success_rate=1.0)
+    env.load("P_O_\n__O_\nO___\n___G")
+    from env_frozenlake import shortest_path
+    path = shortest_path(env.desc, env.pos)
+    assert len(path) == 6, path  # Manhattan distance: the holes leave a shortest path open
+    for a in path:
+        _, r, done, info = env.step(a)
+    assert done and info["success"]
+    assert shortest_path(["SH", "HG"], (0, 0)) is None and shortest_path(["SH", "HG"], (1, 1)) == []
+
+
+def test_webshop_oracle_action_buys_the_target():
+    env = W.WebShopEnv()
+    for seed in range(20):
+        env.reset(seed, "test")
+        for _ in range(9):
+            _, reward, done, info = env.step(W.oracle_action(env))
+            if done:
+                break
+        assert info["success"], seed
+
+
+def run_sft(*flags, torchrun=0):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
+    return subprocess.run(cmd + [os.path.join(HERE, "sft.py"), "--device", "cpu", *flags], capture_output=True, text=True,
+                          cwd=HERE, env=train_env(), timeout=600)
+
+
+def sft_main(capsys, *flags):
+    """sft.main in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    code = 0
+    try:
+        sft.main(["--device", "cpu", *flags])
+    except SystemExit as e:
+        code = e.code
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
+def test_sft_loss_falls(tmp_path, capsys):
+    code, out, err = sft_main(capsys, "--model", "tiny", "--env", "CoordFrozenLakeDet", "--policy", "solver", "--episodes",
+                              "8", "--steps", "8", "--lr", "3e-3", "--out", str(tmp_path / "sft"), "--max-turns", "3")
+    assert code == 0, out + err
+    losses = [float(l.split("loss ")[1].split()[0]) for l in out.splitlines() if l.startswith("step ")]
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
+    assert "success 8/8" in out
+
+
+def test_sft_output_loads_in_eval_and_train(tmp_path, capsys):
+    out = str(tmp_path / "sft")
+    assert sft_main(capsys, "--model", "tiny", "--env", "CoordFrozenLakeDet", "--episodes", "4", "--steps", "1",
+                    "--out", out)[0] == 0
+    ev.main(["--device", "cpu", "--model", out, "--env", "CoordFrozenLakeDet", "--num-seeds", "2", "--max-new-tokens", "8",
+             "--max-turns", "2", "--out", str(tmp_path / "eval")])
+    assert "| CoordFrozenLakeDet | 2 |" in capsys.readouterr().out
+    run_train("--model", out, "--env", "CoordFrozenLakeDet", "--steps", "1", "--num-groups", "2", "--group-size", "2",
+              "--mini-batch-size", "4", "--filter-ratio", "1", "--max-new-tokens", "8", "--max-turns", "2",
+              "--val-every", "0", "--collapse-every", "0", "--log-trajectories-every", "0", "--out", str(tmp_path / "ppo"))
+
+
+def test_sft_lora_and_top_layers_train_what_they_say(tmp_path, capsys):
+    base = rollout.load_model("tiny")[0].state_dict()
+    for flags in (["--train-layers", "1"], ["--lora-rank", "4", "--lora-alpha", "8"]):
+        out = str(tmp_path / flags[0].strip("-"))
+        code, said, err = sft_main(capsys, "--model", "tiny", "--env", "bandit", "--episodes", "4", "--steps", "2",
+                                   "--lr", "1e-2", "--out", out, *flags)
+        assert code == 0, said + err
+        sd = rollout.load_model(out)[0].state_dict()
+        changed = {k for k in base if not torch.equal(base[k], sd[k])}
+        if flags[0] == "--train-layers":  # layer 1 (the top one) and the final norm only
+            assert changed and all(k.startswith("model.layers.1.") or k == "model.norm.weight" for k in changed), changed
+        else:  # merged LoRA: the adapted Linears of both layers, never the embedding or the norms
+            assert any(".layers.0." in k for k in changed) and not any("norm" in k or "embed" in k for k in changed), changed
+
+
+def test_sft_flags(capsys):
+    code, out, _ = sft_main(capsys, "--help")
+    assert code == 0 and all(p in out for p in ("random", "solver", "mix", "--epsilon"))
+    for flags, said in ((["--epsilon", "2"], "--epsilon"), (["--env", "nope"], "unknown env"),
+                        (["--train-layers", "1", "--lora-rank", "2"], "give one"), (["--batch-size", "0"], "positive"),
+                        (["--train-layers", "9"], "has 2 layers")):
+        code, _, err = sft_main(capsys, "--model", "tiny", "--episodes", "2", "--steps", "1", "--out", "/nonexistent/x", *flags)
+        assert code == 2 and said in err and err.count("\n") == 1, (flags, err)
+
+
+def test_sft_two_ranks_gloo(tmp_path):
+    out = str(tmp_path / "ddp")
+    r = run_sft("--model", "tiny", "--env", "bandit", "--episodes", "4", "--steps", "2", "--out", out, torchrun=2)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "2 rank(s)" in r.stdout and os.path.exists(os.path.join(out, "model.safetensors"))
+
+
+# At the first fully_shard call of a process, the bytes of every allocated (not meta) parameter alive in it that
+# FSDP2 has not sharded yet, found through the garbage collector: [rank, bytes] as one JSON line
+SHARD_PROBE = ("import gc, json, os, torch, torch.distributed.fsdp as F\n_shard, _seen = F.fully_shard, []\n"
+               "def fully_shard(module, **kw):\n"
+               "    if not _seen:\n"
+               "        _seen.append(1)\n"
+               "        ps = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]\n"
+               "        b = sum(p.numel() * p.element_size() for p in ps if not p.is_meta and not hasattr(p, 'to_local'))\n"
+               "        with open(os.environ['SHARD_PROBE'], 'a') as f:\n"
+               "            f.write(json.dumps([os.environ.get('RANK'), b]) + '\\n')\n"
+               "    return _shard(module, **kw)\n"
+               "F.fully_shard = fully_shard\n")
+
+
+def test_models_are_sharded_before_they_are_allocated(tmp_path):
+    # actor, critic trunk, reference and rollout copy are built on the meta device and sharded before any weight is
+    # allocated: when sharding starts, no rank holds as much as one bf16 copy of the model in parameters (rank 0's
+    # fp32 source state dict is host memory on a GPU machine); the rollout copy then fills in bf16 with one
+    # all-gather per block (sync bytes = the bf16 model, tied embedding once)
+    (tmp_path / "sitecustomize.py").write_text(SHARD_PROBE)
+    probe, out = str(tmp_path / "probe.jsonl"), str(tmp_path / "run")
+    run_train(*TINY, "--env", "frozenlake", "--algo", "ppo", "--kl-coef", "0.1", "--dtype", "bf16", "--steps", "1",
+              "--val-every", "0", "--collapse-every", "0", "--out", out, torchrun=2,
+              env=dict(PYTHONPATH=str(tmp_path), SHARD_PROBE=probe))
+    calls = [json.loads(l) for l in open(probe)]
+    n = sum(p.numel() for p in rollout.build_tiny("llama")[0].parameters())
+    assert sorted(r for r, _ in calls) == ["0", "1"] and max(b for _, b in calls) < 2 * n, (calls, n)
+    assert read_metrics(out)[0]["perf/sync_gathered_mb"] == pytest.approx(2 * n / 2**20)
+
+
+def test_lora_sync_gathers_only_the_adapters(tmp_path):
+    out = str(tmp_path / "two")
+    run_train(*LORA, "--steps", "2", "--out", out, torchrun=2)
+    adapters = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]  # the actor's trainables: adapters
+    want = sum(v.numel() * 4 for v in adapters.values()) / 2**20
+    assert [m["perf/sync_gathered_mb"] for m in read_metrics(out) if "perf/sync_gathered_mb" in m] == pytest.approx([want] * 2)
