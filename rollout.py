@@ -619,6 +619,67 @@ def step_env(env, actions, budget):
     return reward, done, info, c, infos
 
 
+def append(ep, ids, lp=None):
+    """Append tokens to episode ep's conversation; lp None: forced tokens (template, observation), loss 0."""
+    ep["ids"] += ids
+    ep["sampled"] += [lp is not None] * len(ids)
+    ep["logps"] += lp if lp is not None else [0.0] * len(ids)
+
+
+def retell(ep, lo, turn, think, format_penalty):
+    """single_turn: turns lo..turn-1 of episode ep as text (RAGEN-2's wording)."""
+    if lo >= turn:
+        return ""
+    text = (f"Summary: {turn - 1} step(s) completed so far. Showing the last {turn - lo} turn(s) with "
+            "state/action/reward details. Recent turns:\n---\n")
+    for t in range(lo, turn):
+        r = ep["responses"][t - 1]
+        said = (f"<think>{r['think']}</think>" if think else "") + f"<answer>{' || '.join(r['actions'])}</answer>"
+        text += (f"Turn {t} State:\n{ep['states'][t - 1]}\nTurn {t} Action: {said if r['matched'] else r['raw']}\n"
+                 f"Turn {t} Reward: {r['reward'] + (format_penalty if r['penalized'] else 0.0)}\n---\n")
+    return text
+
+
+def opening_message(ep, t, lo, first_shown, chat, preset, think, format_penalty):
+    """Token ids of the user message that opens turn t of episode ep when turn lo opens the conversation: turn lo
+    with the instruction (single_turn: turns first_shown..t-1 retold before it), later turns with RAGEN's "Reward:"
+    feedback sharing the message. chat: (tokenizer, head, user_head, gen + the forced tag) of chat_pieces."""
+    tok, head, user_head, tail = chat
+    if t == lo:
+        text = head + preset["instruction"] + retell(ep, first_shown, t, think, format_penalty) + ep["users"][t - 1] + tail
+    else:
+        text = user_head + f"Reward:\n{ep['turn_rewards'][t - 2]}\n" + ep["users"][t - 1] + tail
+    return tok.encode(text, add_special_tokens=False)
+
+
+def rebuild_window(ep, lo, turn, shown, chat, preset, think, format_penalty):
+    """Turns left the prompt: episode ep's conversation again, from turn lo to turn-1, re-rendered from the turns'
+    own tokens (answers and closing tokens as they were sampled or forced)."""
+    ep.update(ids=[], sampled=[], logps=[], turn_ends=[])
+    for t in range(lo, turn):
+        out, lp, closing = ep["answers"][t - 1]
+        append(ep, opening_message(ep, t, lo, shown, chat, preset, think, format_penalty))
+        append(ep, out, lp)
+        ep["turn_ends"].append(len(ep["ids"]) - 1)
+        append(ep, closing)
+
+
+def pack_rows(rows, pad):
+    """Training rows [(episode, token ids, sampled flags, log-probs)] as right-padded tensors."""
+    R, T = len(rows), max([len(r[1]) for r in rows], default=1)
+    tokens = torch.full((R, T), pad, dtype=torch.long)                    # [R, T] right-padded
+    attention_mask = torch.zeros(R, T, dtype=torch.bool)                  # [R, T]
+    loss_mask = torch.zeros(R, T, dtype=torch.bool)                       # [R, T] 1 = sampled by the policy
+    old_logp = torch.zeros(R, T)                                          # [R, T]
+    for r, (_, ids, flags, lp) in enumerate(rows):
+        L = len(ids)
+        tokens[r, :L] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[r, :L] = True
+        loss_mask[r, :L] = torch.tensor(flags, dtype=torch.bool)
+        old_logp[r, :L] = torch.tensor(lp, dtype=torch.float)
+    return tokens, attention_mask, loss_mask, old_logp
+
+
 def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
             temperature=1.0, top_p=1.0, greedy=False, think=True, max_context=4096, format_penalty=-0.1,
             kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None, sampler=None,
@@ -662,39 +723,17 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
 
     for env, seed in zip(envs, seeds):
         env.reset(seed) if split is None else env.reset(seed, split=split)
-    conv = [[] for _ in range(B)]     # token ids of the whole conversation
-    sampled = [[] for _ in range(B)]  # 1 where the policy sampled the token
-    logps = [[] for _ in range(B)]
-    turn_ends, turn_rewards, responses = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+    # per episode: its conversation (token ids, 1 where the policy sampled the token, their log-probs), where its
+    # answers end in it, and per turn: reward, parsed response, state, user message, (answer, log-probs, closing)
+    eps = [dict(ids=[], sampled=[], logps=[], turn_ends=[], turn_rewards=[], responses=[], states=[], users=[],
+                answers=[]) for _ in range(B)]
     penalty, success, finished = [0.0] * B, [False] * B, [False] * B
     keys = ("num_turns", "num_actions", "valid_actions", "invalid_actions", "effective_actions", "format_errors",
             "context_truncated", "response_tokens", "think_tokens", "prefill_tokens", "prefill_saved", "context_rebuilds")
     stats = {k: [0] * B for k in keys}
     extras = [{} for _ in range(B)]   # numeric env info keys -> list of values
-    states, users, answers = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]  # per turn
     shown_from, samples = [1] * B, []  # first turn given as chat messages; per-turn rows (b, ids, flags, logps)
-
-    def append(b, ids, lp=None):      # lp None: forced tokens (template, observation), loss 0
-        conv[b] += ids
-        sampled[b] += [lp is not None] * len(ids)
-        logps[b] += lp if lp is not None else [0.0] * len(ids)
-
-    def retell(b, lo, turn):          # single_turn: turns lo..turn-1 as text (RAGEN-2's wording)
-        if lo >= turn:
-            return ""
-        text = (f"Summary: {turn - 1} step(s) completed so far. Showing the last {turn - lo} turn(s) with "
-                "state/action/reward details. Recent turns:\n---\n")
-        for t in range(lo, turn):
-            r = responses[b][t - 1]
-            said = (f"<think>{r['think']}</think>" if think else "") + f"<answer>{' || '.join(r['actions'])}</answer>"
-            text += (f"Turn {t} State:\n{states[b][t - 1]}\nTurn {t} Action: {said if r['matched'] else r['raw']}\n"
-                     f"Turn {t} Reward: {r['reward'] + (format_penalty if r['penalized'] else 0.0)}\n---\n")
-        return text
-
-    def prompt(b, t, lo, first_shown):  # the user message that opens turn t when turn lo opens the conversation
-        if t == lo:
-            return enc(head + preset["instruction"] + retell(b, first_shown, t) + users[b][t - 1] + gen + forced)
-        return enc(user_head + f"Reward:\n{turn_rewards[b][t - 2]}\n" + users[b][t - 1] + gen + forced)
+    chat = (tok, head, user_head, gen + forced)
 
     sampler = sampler or sampler_settings(model.lm_head.weight.device)
     static = sampler.static  # fixed batch/capacity: one graph
@@ -706,29 +745,24 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
         for b in range(B):  # the user message of this turn, tokenised on its own and appended
             if finished[b]:
                 continue
-            states[b].append(envs[b].render())
-            users[b].append(turn_prompt(preset, turn, states[b][-1], budget - stats["num_actions"][b], think))
+            eps[b]["states"].append(envs[b].render())
+            eps[b]["users"].append(turn_prompt(preset, turn, eps[b]["states"][-1], budget - stats["num_actions"][b], think))
             shown = max(1, turn - window + 1) if window > 0 else 1  # first turn the model sees
             lo = turn if window_mode == "single_turn" else shown    # first turn given as chat messages
             if lo != shown_from[b]:  # turns left the prompt: re-render the kept ones from their own tokens
-                shown_from[b], conv[b], sampled[b], logps[b], turn_ends[b] = lo, [], [], [], []
-                for t in range(lo, turn):
-                    out, lp, closing = answers[b][t - 1]
-                    append(b, prompt(b, t, lo, shown))
-                    append(b, out, lp)
-                    turn_ends[b].append(len(conv[b]) - 1)
-                    append(b, closing)
+                shown_from[b] = lo
+                rebuild_window(eps[b], lo, turn, shown, chat, preset, think, format_penalty)
                 rebuilt.add(b)
                 stats["context_rebuilds"][b] += 1
             # turn lo opens with the instruction; later ones: RAGEN's "Reward:" feedback and the next turn share a user message
-            ids = prompt(b, turn, lo, shown)
-            if len(conv[b]) + len(ids) + max_new_tokens + len(close_ids) > max_context:
+            ids = opening_message(eps[b], turn, lo, shown, chat, preset, think, format_penalty)
+            if len(eps[b]["ids"]) + len(ids) + max_new_tokens + len(close_ids) > max_context:
                 finished[b] = True  # would not fit: end here, counted as truncated
                 stats["context_truncated"][b] = 1
                 if turn == 1:
-                    append(b, ids)  # keep the prompt for the logs; this row has no sampled tokens
+                    append(eps[b], ids)  # keep the prompt for the logs; this row has no sampled tokens
                 continue
-            append(b, ids)
+            append(eps[b], ids)
             new[b] = ids
         if not new:
             break
@@ -743,7 +777,7 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             if b in rebuilt:  # the cache row holds turns the prompt no longer shows: prefill it again from slot 0
                 cache.lens[i] = 0
         lens = cache.lens.tolist()
-        todo = [conv[b][lens[i]:] if b in new else [] for i, b in enumerate(rows)]
+        todo = [eps[b]["ids"][lens[i]:] if b in new else [] for i, b in enumerate(rows)]
         saved = shared_prefixes(todo)[1] if share_prefixes and not any(lens) else [0] * len(rows)  # as sample_turn shares
         for i, b in enumerate(rows):
             stats["prefill_tokens"][b] += len(todo[i])
@@ -760,22 +794,22 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             if b not in new:
                 continue
             out, lp = toks[i], lps[i]
-            append(b, out, lp)
-            turn_ends[b].append(len(conv[b]) - 1)
+            append(eps[b], out, lp)
+            eps[b]["turn_ends"].append(len(eps[b]["ids"]) - 1)
             # close the assistant turn; a turn cut by its budget gets the end-of-turn token forced (mask 0)
             closing = close_ids[1:] if out[-1] == close_ids[0] else close_ids
-            append(b, closing)
-            answers[b].append((out, lp, closing))
+            append(eps[b], closing)
+            eps[b]["answers"].append((out, lp, closing))
             if window_mode != "full":  # one row per turn: the context it was sampled in, loss on this answer only
-                n = len(conv[b]) - len(out) - len(closing)
-                samples.append((b, list(conv[b]), [False] * n + [True] * len(out) + [False] * len(closing),
+                n = len(eps[b]["ids"]) - len(out) - len(closing)
+                samples.append((b, list(eps[b]["ids"]), [False] * n + [True] * len(out) + [False] * len(closing),
                                 [0.0] * n + lp + [0.0] * len(closing)))
             text = forced + tok.decode(out, skip_special_tokens=True)   # RAGEN prepends the forced tag back
             thought, actions, matched = parse_response(text, think, max_actions_per_turn)
             reward, done, info, c, infos = step_env(envs[b], actions, budget - stats["num_actions"][b])
             bad = c["invalid"] > 0 or c["valid"] == 0  # RAGEN: any dropped action, or none valid at all
             penalty[b] += format_penalty if bad else 0.0
-            turn_rewards[b].append(reward)
+            eps[b]["turn_rewards"].append(reward)
             for k, ck in (("num_actions", "executed"), ("valid_actions", "valid"), ("invalid_actions", "invalid"),
                           ("effective_actions", "effective")):
                 stats[k][b] += c[ck]
@@ -787,35 +821,26 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
                 for k, v in inf.items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in stats:
                         extras[b].setdefault(k, []).append(float(v))
-            responses[b].append(dict(raw=text, think=thought, actions=actions, matched=matched, reward=reward,
+            eps[b]["responses"].append(dict(raw=text, think=thought, actions=actions, matched=matched, reward=reward,
                                      penalized=bad, info={k: getattr(v, "item", lambda: v)() for k, v in info.items()}))
             if done:  # RAGEN: terminated; success only if the env says so (else truncated)
                 finished[b], success[b] = True, bool(info.get("success", False))
             elif stats["num_actions"][b] >= budget:
                 finished[b] = True
 
+    turn_ends = [e["turn_ends"] for e in eps]
+    train_rows = [(b, e["ids"], e["sampled"], e["logps"]) for b, e in enumerate(eps)]  # R = B, one per episode
     if window_mode != "full":  # one row per turn, each with its one trained answer
+        train_rows = samples
         turn_ends = [[max(i for i, f in enumerate(flags) if f)] for _, _, flags, _ in samples]
-    rows_out = [(b, conv[b], sampled[b], logps[b]) for b in range(B)] if window_mode == "full" else samples
-    R, T = len(rows_out), max([len(r[1]) for r in rows_out], default=1)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    tokens = torch.full((R, T), pad, dtype=torch.long)                    # [R, T] right-padded; R = B in full mode
-    attention_mask = torch.zeros(R, T, dtype=torch.bool)                  # [R, T]
-    loss_mask = torch.zeros(R, T, dtype=torch.bool)                       # [R, T] 1 = sampled by the policy
-    old_logp = torch.zeros(R, T)                                          # [R, T]
-    for r, (_, ids, flags, lp) in enumerate(rows_out):
-        L = len(ids)
-        tokens[r, :L] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[r, :L] = True
-        loss_mask[r, :L] = torch.tensor(flags, dtype=torch.bool)
-        old_logp[r, :L] = torch.tensor(lp, dtype=torch.float)
+    tokens, attention_mask, loss_mask, old_logp = pack_rows(train_rows, tok.pad_token_id if tok.pad_token_id is not None else 0)
     penalty_t = torch.tensor(penalty)
     out_stats = {k: torch.tensor(v, dtype=torch.bool if k == "context_truncated" else torch.float) for k, v in stats.items()}
     for k in sorted({k for e in extras for k in e}):  # per-row means of numeric env info extras
         out_stats[k] = torch.tensor([sum(e[k]) / len(e[k]) if e.get(k) else 0.0 for e in extras])
     return dict(tokens=tokens, attention_mask=attention_mask, loss_mask=loss_mask, old_logp=old_logp,
-                turn_ends=turn_ends, turn_rewards=turn_rewards, penalty=penalty_t,
-                scores=torch.tensor([sum(r) for r in turn_rewards]) + penalty_t,
+                turn_ends=turn_ends, turn_rewards=[e["turn_rewards"] for e in eps], penalty=penalty_t,
+                scores=torch.tensor([sum(e["turn_rewards"]) for e in eps]) + penalty_t,
                 success=torch.tensor(success), group=torch.arange(B) // group_size,
-                episode=torch.tensor([r[0] for r in rows_out], dtype=torch.long),
-                text=[tok.decode(c) for c in conv], stats=out_stats, responses=responses)
+                episode=torch.tensor([r[0] for r in train_rows], dtype=torch.long),
+                text=[tok.decode(e["ids"]) for e in eps], stats=out_stats, responses=[e["responses"] for e in eps])

@@ -12,6 +12,7 @@ rollout -> filter groups -> old / ref log-probs and values -> advantages -> PPO 
 import argparse
 import copy
 import datetime
+import functools
 import importlib.util
 import json
 import math
@@ -53,8 +54,14 @@ class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
-g = p.add_argument_group("environment and agent loop")
-g.add_argument("--env", nargs="+", default=["sokoban"], help="short name (bandit, sokoban, frozenlake, webshop, countdown) or "
+# --help lists the groups in this order: the flags most runs set first, the rest by topic
+common = p.add_argument_group("common flags")
+groups = {t: p.add_argument_group(t) for t in ("environment and agent loop", "model", "batch sizes", "algorithm",
+                                               "optimisation", "validation", "run")}
+ragen2 = p.add_argument_group("RAGEN-2 and variants: context windows, filters, turn-level rewards, stops")
+debug = p.add_argument_group("debugging and testing: reference paths that sample the same tokens, slower")
+g = groups["environment and agent loop"]
+common.add_argument("--env", nargs="+", default=["sokoban"], help="short name (bandit, sokoban, frozenlake, webshop, countdown) or "
                "any preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. SimpleSokoban:4 FrozenLake:4")
 g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
 g.add_argument("--max-turns", type=int, default=None, help="turns per episode (agent_proxy.max_turn; default 5, or the preset's: Bandit 1, WebShop 9)")
@@ -64,18 +71,18 @@ g.add_argument("--max-new-tokens", type=int, default=400, help="response tokens 
 g.add_argument("--max-context", type=int, default=None, help="longest conversation in tokens, longer episodes end as truncated (default 3600, WebShop 15000)")
 g.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
 g.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
-g.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
-g.add_argument("--no-prefix-sharing", action="store_true", help="compute every row's prompt in full, also the prefixes rows "
+debug.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
+debug.add_argument("--no-prefix-sharing", action="store_true", help="compute every row's prompt in full, also the prefixes rows "
                "share (reference path): in the rollout's prefill (train/<env>/prefill_saved counts what sharing saves) "
                "and in the old log-prob, value and update passes")
 g.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (also used for log-probs)")
 g.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
-g.add_argument("--context-window-mode", default="full", choices=["full", "limited_multi_turn", "single_turn"],
+ragen2.add_argument("--context-window-mode", default="full", choices=["full", "limited_multi_turn", "single_turn"],
                help="full: one training row per episode; limited_multi_turn / single_turn: one row per turn (RAGEN-2)")
-g.add_argument("--max-context-window", type=int, default=-1, help="show only the last k turns in the prompt (-1 = all)")
-g = p.add_argument_group("model")
-g.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
-g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+ragen2.add_argument("--max-context-window", type=int, default=-1, help="show only the last k turns in the prompt (-1 = all)")
+g = groups["model"]
+common.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
+common.add_argument("--device", default="auto", help="auto | cpu | cuda")
 g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype of forwards and rollouts "
                "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce), fp32 on CPU")
 g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
@@ -94,29 +101,29 @@ g.add_argument("--lora-alpha", type=float, default=64, help="LoRA alpha; the upd
 g.add_argument("--lora-target", default="all-linear", help="peft target_modules: all-linear (every Linear but lm_head) or "
                "comma-separated names, e.g. q_proj,v_proj")
 g.add_argument("--save-adapter", action="store_true", help="with --lora-rank, also write the adapter alone (peft format) to <out>/hf/adapter")
-g = p.add_argument_group("batch sizes")
-g.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
-g.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
-g.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
+g = groups["batch sizes"]
+common.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
+common.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
+common.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
                "(StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, min_p this fraction of the best")
-g.add_argument("--filter-type", default="std", choices=["std", "std_rev"],
+ragen2.add_argument("--filter-type", default="std", choices=["std", "std_rev"],
                help="keep the groups with the largest (std) or smallest (std_rev) statistic (RAGEN-2: largest / smallest)")
-g.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
-g.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
+ragen2.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
+ragen2.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
                help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of the "
                "trajectories' mean token entropy, mean response length")
-g.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"], help="top_p: score-sum rule or softmax mass")
-g.add_argument("--filter-drop-zero", action="store_true", help="drop groups whose statistic is 0 before ranking (include_zero=False)")
-g.add_argument("--filter-eps", type=float, default=0.01, help="linear top_p threshold = value * sum - eps")
-g.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"], help="advantages x kept group fraction (or its sqrt)")
-g.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"], help="make a varying kept row count a multiple "
+ragen2.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"], help="top_p: score-sum rule or softmax mass")
+ragen2.add_argument("--filter-drop-zero", action="store_true", help="drop groups whose statistic is 0 before ranking (include_zero=False)")
+ragen2.add_argument("--filter-eps", type=float, default=0.01, help="linear top_p threshold = value * sum - eps")
+ragen2.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"], help="advantages x kept group fraction (or its sqrt)")
+ragen2.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"], help="make a varying kept row count a multiple "
                "of the mini-batch size: duplicate or drop random rows")
-g.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this many steps in a row with nothing to train (0 = never)")
-g.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
+ragen2.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this many steps in a row with nothing to train (0 = never)")
+common.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
 g.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
 g.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
-g = p.add_argument_group("algorithm")
-g.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+g = groups["algorithm"]
+common.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
                help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
                "group mean, rloo = minus the mean of the others, reinforce_pp(_baseline) = REINFORCE++ (veRL)")
 g.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
@@ -130,95 +137,47 @@ g.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the refere
 g.add_argument("--kl-type", default="kl", choices=["kl", "abs", "mse", "low_var_kl"], help="k1 / |k1| / k2 / k3")
 g.add_argument("--gamma", type=float, default=1.0, help="GAE discount over action tokens")
 g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-g.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
-g.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
-g.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
+ragen2.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
+ragen2.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
+ragen2.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
 g.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"], help="score normalisation (default: identity for ppo, mean_std for grpo)")
-g.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"],
+ragen2.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"],
                help="which scores are normalised together: a group (same initial state), the whole batch, or one env tag (inductive)")
 g.add_argument("--value-clip", type=float, default=0.5, help="critic value clipping")
 g.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"], help="old log-probs from a forward before the update (RAGEN) or from the sampler")
-g = p.add_argument_group("optimisation")
-g.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
-g.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
+g = groups["optimisation"]
+common.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
+common.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
 g.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
 g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
 g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
-g = p.add_argument_group("validation")
+g = groups["validation"]
 g.add_argument("--val-every", type=int, default=10, help="validate every N steps, before training and at the end (0 = never)")
 g.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
 g.add_argument("--val-temperature", type=float, default=0.5, help="validation sampling temperature (RAGEN val_kwargs)")
 g.add_argument("--val-seed", type=int, default=123, help="first validation seed (RAGEN seed.val)")
-g.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never; "
+ragen2.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never; "
                "off when a context window cuts episodes into rows)")
-g = p.add_argument_group("run")
+g = groups["run"]
 DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
         "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
         "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
 g.add_argument("--demo", action="store_true", help=f"the offline CPU demo (README): {DEMO}; flags given with it override these")
 g.add_argument("--seed", type=int, default=10000, help="first train env seed; step s uses seed + s*num_groups + g")
-g.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
-g.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
+common.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
+common.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
 g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
 g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
 g.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
 g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective (rank 0 "
                "writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
-g.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
+ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
                "of the first 10), or validation success under 1%% 5 times in a row")
-args = p.parse_args()
-if args.demo:  # the preset first, the command line after it: for a flag given twice argparse keeps the last
-    args = p.parse_args(DEMO.split() + sys.argv[1:])
 
-if args.vanilla:  # RAGEN train_all.sh USE_BASE: no filter, symmetric clip, KL loss 0.001 (k1)
-    args.filter_ratio, args.clip_high, args.kl_coef = 1.0, 0.2, 0.001
-if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN's grpo setting)
-    args.reward_norm = "mean_std" if args.algo == "grpo" else "identity"
-if args.loss_agg is None:  # Dr.GRPO sums a sequence's tokens (RAGEN-2 run_main_table_diff_algo.sh)
-    args.loss_agg = "seq-mean-token-sum" if args.algo == "drgrpo" else "token-mean"
-# env mixing: [[preset, groups], ...]; one preset alone gets --num-groups. The first preset sets the agent-loop
-# defaults below, shared by all (RAGEN: one agent_proxy for every tag)
-mix = [e.rsplit(":", 1) if ":" in e else [e, ""] for e in args.env]
-if any(not (n.isdigit() and int(n) > 0) for _, n in mix if n or len(mix) > 1):
-    sys.exit("train.py: to mix presets give each a positive group count, e.g. --env SimpleSokoban:4 FrozenLake:4")
-args.env_mix = [[preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
-if len({e for e, _ in args.env_mix}) < len(args.env_mix):
-    sys.exit("train.py: a preset appears twice in --env")
-args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
-for key, default in (("max_turns", 5), ("max_actions_per_turn", 5), ("max_context", 3600)):  # RAGEN's per-env configs
-    if getattr(args, key) is None:
-        setattr(args, key, eval_py.ENV_CLASSES[args.env][1].get(key, default))
-if args.val_env is None:
-    args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
-args.val_env = [preset_name(v) for v in args.val_env]
-if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
-    sys.exit("train.py: --bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
-windowed = args.context_window_mode != "full" or args.max_context_window > 0  # rows no longer hold whole episodes
-if args.max_context_window == 0 or args.max_context_window < -1:
-    sys.exit("train.py: --max-context-window is -1 (all turns) or k >= 1")
-if windowed and (args.turn_rewards or args.bi_level_gae):
-    sys.exit("train.py: --turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, no --max-context-window")
-if args.context_window_mode == "full" and args.max_context_window > 0 and args.old_logp == "sampler":
-    sys.exit("train.py: with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
-if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
-    sys.exit(f"train.py: --algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
-filter_kind = ("mean" if args.filter_metric in ("reward_mean", "entropy", "length") else "std") + \
-    ("_rev" if args.filter_type == "std_rev" else "")  # starpo.filter_groups' ranking statistic
 
-# ----------------------------------------------------------------------------- compute init
+# ----------------------------------------------------------------------------- arguments
 ddp = int(os.environ.get("RANK", -1)) != -1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-if use_cuda:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    torch.backends.cuda.matmul.allow_tf32 = True
-else:
-    device = torch.device("cpu")
-if args.plan:  # plan a launch on this many ranks: the checks below use it, and nothing after the plan runs
-    world = args.plan
-if ddp and args.plan is None:
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=args.pg_timeout_min))
 master = rank == 0
 
 
@@ -232,28 +191,84 @@ def die(msg):  # every rank sees the same args, so every rank stops with the sam
     sys.exit(2)
 
 
-# derived batch sizes, checked up front (RAGEN train.py asserts the same things)
-rollout_groups = args.num_groups
-kept_groups = rollout_groups if args.filter_ratio >= 1 else int(args.filter_ratio * rollout_groups)
-if args.filter_strategy == "top_k_abs":
-    kept_groups = min(int(args.filter_ratio), rollout_groups)
-kept_rows = kept_groups * args.group_size
-# top_k keeps a known number of groups of whole episodes; otherwise the kept row count varies from step to step
-# and is brought to a multiple of this by --batch-adjust (RAGEN-2 uses lcm(env_groups, mini-batch, GPUs))
-fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed
-row_multiple = math.lcm(args.mini_batch_size, world)
-if rollout_groups % world:
-    die(f"--num-groups {rollout_groups} cannot be split over {world} ranks")
-if any(n % world for _, n in args.env_mix):
-    die(f"each mixed preset's groups must split over {world} ranks: {args.env_mix}")
-if fixed_keep and (kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size):
-    die(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
-        f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
-if args.mini_batch_size % world:
-    die(f"--mini-batch-size {args.mini_batch_size} must divide over {world} ranks")
-if args.val_groups % world:
-    die(f"--val-groups {args.val_groups} must divide over {world} ranks")
-updates_per_step = args.ppo_epochs * kept_rows // args.mini_batch_size
+def resolve_args(argv, world):
+    """The command line (after --demo's flags) with the defaults that depend on other flags filled in, checked: a
+    combination that cannot run stops here with one line. world: the ranks of this launch; --plan RANKS plans
+    another. Returns (args, world, the row multiple the kept rows are adjusted to, whether a context window cuts
+    episodes into rows, what the filter keeps in words)."""
+    args = p.parse_args(argv)
+    if args.demo:  # the preset first, the command line after it: for a flag given twice argparse keeps the last
+        args = p.parse_args(DEMO.split() + argv)
+    if args.vanilla:  # RAGEN train_all.sh USE_BASE: no filter, symmetric clip, KL loss 0.001 (k1)
+        args.filter_ratio, args.clip_high, args.kl_coef = 1.0, 0.2, 0.001
+    if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN's grpo setting)
+        args.reward_norm = "mean_std" if args.algo == "grpo" else "identity"
+    if args.loss_agg is None:  # Dr.GRPO sums a sequence's tokens (RAGEN-2 run_main_table_diff_algo.sh)
+        args.loss_agg = "seq-mean-token-sum" if args.algo == "drgrpo" else "token-mean"
+    # env mixing: [[preset, groups], ...]; one preset alone gets --num-groups. The first preset sets the agent-loop
+    # defaults below, shared by all (RAGEN: one agent_proxy for every tag)
+    mix = [e.rsplit(":", 1) if ":" in e else [e, ""] for e in args.env]
+    if any(not (n.isdigit() and int(n) > 0) for _, n in mix if n or len(mix) > 1):
+        sys.exit("train.py: to mix presets give each a positive group count, e.g. --env SimpleSokoban:4 FrozenLake:4")
+    args.env_mix = [[preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
+    if len({e for e, _ in args.env_mix}) < len(args.env_mix):
+        sys.exit("train.py: a preset appears twice in --env")
+    args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
+    for key, default in (("max_turns", 5), ("max_actions_per_turn", 5), ("max_context", 3600)):  # RAGEN's per-env configs
+        if getattr(args, key) is None:
+            setattr(args, key, eval_py.ENV_CLASSES[args.env][1].get(key, default))
+    if args.val_env is None:
+        args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
+    args.val_env = [preset_name(v) for v in args.val_env]
+    if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
+        sys.exit("train.py: --bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
+    windowed = args.context_window_mode != "full" or args.max_context_window > 0  # rows no longer hold whole episodes
+    if args.max_context_window == 0 or args.max_context_window < -1:
+        sys.exit("train.py: --max-context-window is -1 (all turns) or k >= 1")
+    if windowed and (args.turn_rewards or args.bi_level_gae):
+        sys.exit("train.py: --turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, no --max-context-window")
+    if args.context_window_mode == "full" and args.max_context_window > 0 and args.old_logp == "sampler":
+        sys.exit("train.py: with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
+    if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
+        sys.exit(f"train.py: --algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
+    world = args.plan or world  # --plan: the checks below are the planned launch's, and nothing after the plan runs
+    # derived batch sizes, checked up front (RAGEN train.py asserts the same things)
+    kept_groups = args.num_groups if args.filter_ratio >= 1 else int(args.filter_ratio * args.num_groups)
+    if args.filter_strategy == "top_k_abs":
+        kept_groups = min(int(args.filter_ratio), args.num_groups)
+    kept_rows = kept_groups * args.group_size
+    # top_k keeps a known number of groups of whole episodes; otherwise the kept row count varies from step to step
+    # and is brought to a multiple of this by --batch-adjust (RAGEN-2 uses lcm(env_groups, mini-batch, GPUs))
+    fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed
+    row_multiple = math.lcm(args.mini_batch_size, world)
+    if args.num_groups % world:
+        die(f"--num-groups {args.num_groups} cannot be split over {world} ranks")
+    if any(n % world for _, n in args.env_mix):
+        die(f"each mixed preset's groups must split over {world} ranks: {args.env_mix}")
+    if fixed_keep and (kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size):
+        die(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
+            f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
+    if args.mini_batch_size % world:
+        die(f"--mini-batch-size {args.mini_batch_size} must divide over {world} ranks")
+    if args.val_groups % world:
+        die(f"--val-groups {args.val_groups} must divide over {world} ranks")
+    keeps = (f"keep {kept_groups} groups = {kept_rows}, {args.ppo_epochs * kept_rows // args.mini_batch_size} optimizer "
+             f"steps per step" if fixed_keep else f"keep a varying number of rows, {args.batch_adjust} to a multiple of {row_multiple}")
+    return args, world, row_multiple, windowed, keeps
+
+
+args, world, row_multiple, windowed, keeps = resolve_args(sys.argv[1:], world)
+
+# ----------------------------------------------------------------------------- compute init
+use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+if use_cuda:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+else:
+    device = torch.device("cpu")
+if ddp and args.plan is None:
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=args.pg_timeout_min))
 
 
 # ----------------------------------------------------------------------------- memory plan (memplan.py)
@@ -275,7 +290,7 @@ def fitting_flags(cfg, kw, gpu_bytes):
         tries.append(("ckpt", True, "--grad-checkpointing"))
     tries += [("micro", m, f"--micro-batch-size {m}") for m in (kw["micro"] // 2**i for i in range(1, 12)) if m >= 1]
     tries += [("world", w, f"torchrun --nproc_per_node={w}") for w in (2, 4, 8)
-              if w > kw["world"] and rollout_groups % w == 0 and args.mini_batch_size % w == 0 and args.val_groups % w == 0]
+              if w > kw["world"] and args.num_groups % w == 0 and args.mini_batch_size % w == 0 and args.val_groups % w == 0]
     for key, value, flag in tries:
         kw[key], flags[key] = value, flag
         if memplan.fits(memplan.plan_memory(cfg, **kw)["total"], gpu_bytes):
@@ -291,7 +306,7 @@ except (OSError, ValueError) as e:  # a run goes on to load_model, which says wh
         die(f"cannot load --model {args.model}: cannot read its config: {str(e).splitlines()[0]}")
 if plan_cfg is not None:
     gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
-    plan_kw = dict(world=world, rows=rollout_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
+    plan_kw = dict(world=world, rows=args.num_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
                    seq=args.max_context, critic=args.algo == "ppo", ref=args.kl_coef > 0 and not args.lora_rank,
                    bf16=args.dtype == "bf16" or (args.dtype == "auto" and gpu_plan), ckpt=args.grad_checkpointing,
                    lora_rank=args.lora_rank)
@@ -347,11 +362,9 @@ torch.manual_seed(args.seed)
 
 if args.demo:
     print0(f"--demo = python train.py {DEMO} {' '.join(a for a in sys.argv[1:] if a != '--demo')}".rstrip())
-keeps = (f"keep {kept_groups} groups = {kept_rows}, {updates_per_step} optimizer steps per step" if fixed_keep else
-         f"keep a varying number of rows, {args.batch_adjust} to a multiple of {row_multiple}")
 print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_env} | {args.algo}"
-       f"{' (vanilla StarPO)' if args.vanilla else ''} | world {world} on {device} | rollout {rollout_groups}x{args.group_size} "
-       f"= {rollout_groups * args.group_size} trajectories, {keeps}")
+       f"{' (vanilla StarPO)' if args.vanilla else ''} | world {world} on {device} | rollout {args.num_groups}x{args.group_size} "
+       f"= {args.num_groups * args.group_size} trajectories, {keeps}")
 
 # ----------------------------------------------------------------------------- models
 # Weights are fp32 (the optimizer's master copy); on GPU the forward runs in bf16 autocast, as RAGEN's
@@ -612,13 +625,14 @@ def rows_of_this_rank(n):
     return slice(rank * per, (rank + 1) * per)
 
 
-def phase(what):
-    """Say on the progress bar what the step is doing (rank 0 only: other ranks' bars, and a closed one, are disabled)."""
+def phase(bar, step, what):
+    """Say on the progress bar what the step is doing (rank 0 only: other ranks' bars, and a closed one, are disabled).
+    The step's parts get it as say = functools.partial(phase, bar, step)."""
     if not bar.disable:
         bar.set_description(f"step {step}: {what}")
 
 
-def run_rollout(presets, group_size, seed0, temperature, envs, what="rollout"):
+def run_rollout(presets, group_size, seed0, temperature, envs, say, what="rollout"):
     """One output per (preset, n_groups) of `presets`, group g of them (counted across presets) from seed seed0 + g:
     this rank's share of each preset's groups, gathered so that every rank holds all of them."""
     outs = []
@@ -630,7 +644,7 @@ def run_rollout(presets, group_size, seed0, temperature, envs, what="rollout"):
         if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
             envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
         out = rollout(rollout_model, tok, envs[preset_key][:len(seeds)], seeds, group_size=group_size,
-                      temperature=temperature, sampler=sampler, progress=lambda t, n: phase(f"{what} {preset_key} turn {t}/{n}"),
+                      temperature=temperature, sampler=sampler, progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"),
                       share_prefixes=not args.no_prefix_sharing,
                       **eval_py.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
         outs.append(all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}))
@@ -713,20 +727,20 @@ def update_partition(n):
     return [(rows, micro_batches(rows[rows_of_this_rank(len(rows))])) for rows in minis]
 
 
-def trim(idx, *tensors):
-    """Rows idx of [B, T] tensors, cut to the longest real row (right padding)."""
-    T = int(batch["attention_mask"][idx].sum(1).max())
+def trim(attention_mask, idx, *tensors):
+    """Rows idx of [B, T] tensors, cut to the longest real row of attention_mask [B, T] (right padding)."""
+    T = int(attention_mask[idx].sum(1).max())
     return [t[idx, :T].to(device) for t in tensors]
 
 
 @torch.no_grad()
-def forward_pass(model, what):
-    """logp, entropy or values (what) of this rank's share of the rows of `batch` (a multiple of world), gathered;
-    logp and entropy only at batch["loss_mask"] (0 elsewhere)."""
+def forward_pass(model, batch, what):
+    """logp, entropy or values (what) of this rank's share of the rows of batch (tokens, attention_mask, loss_mask,
+    a multiple of world rows), gathered; logp and entropy only at batch["loss_mask"] (0 elsewhere)."""
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
     for mb in [mb for _, mine in update_partition(n) for mb in mine]:
-        tokens, am, lm = trim(mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
+        tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
         with autocast():
             if what == "values":
                 x = model(tokens, am, share_prefix)
@@ -816,22 +830,22 @@ def dump_trajectories(out, name, n=16):
                                     text=out["text"][i])) + "\n")
 
 
-def validate(step, envs):
+def validate(step, envs, say):
     """RAGEN's protocol: fixed seeds from --val-seed, groups of 1, temperature 0.5, every val preset."""
     m = {}
     for key in args.val_env:
         # in chunks of the training rollout's size, so the sampler's one static KV pool (sized by training) serves
         # validation too; the noise is keyed by episode seed, so chunking changes no sampled token
-        chunk = rollout_groups * args.group_size
+        chunk = args.num_groups * args.group_size
         out = merge_rows([run_rollout([(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0, args.val_temperature,
-                                      envs, "validation")[0] for g0 in range(0, args.val_groups, chunk)])
+                                      envs, say, "validation")[0] for g0 in range(0, args.val_groups, chunk)])
         m.update(env_metrics(out, f"val-env/{key}", 1))
         if args.log_trajectories_every and step % args.log_trajectories_every == 0:
             dump_trajectories(out, f"val-{key}-step{step:05d}.jsonl")
     return m
 
 
-def save_checkpoint(step):
+def save_checkpoint(step, monitor):
     """ckpt.pt and a plain HF directory <out>/hf, both written under temporary names and renamed in: hf first,
     ckpt.pt last (the commit). Killed at any instant, the previous checkpoint stays whole, hf/ is ahead of ckpt.pt
     for at most one rename, and clean_interrupted_checkpoint() puts it back; a failed write stops the run."""
@@ -863,12 +877,9 @@ def save_checkpoint(step):
         die(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}")
 
 
-# collapse indicators (paper Fig. 6): in-group reward std and entropy falling far below their early
-# level, or a grad-norm spike, are announced and recorded; so is RAGEN-2's prompt-reasoning MI falling
-monitor = ckpt["monitor"] if ckpt is not None else {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
-
-
-def collapse_warnings(m):
+def collapse_warnings(m, monitor):
+    """Collapse indicators (paper Fig. 6) of step metrics m: in-group reward std and entropy falling far below their
+    early level, a grad-norm spike, RAGEN-2's prompt-reasoning MI falling. monitor (checkpointed) keeps the history."""
     warn = []
     if len(monitor["early_std"]) < 5:
         monitor["early_std"].append(m["rollout/in_group_std"])
@@ -894,7 +905,7 @@ def collapse_warnings(m):
     return warn
 
 
-def stop_reason(m):
+def stop_reason(m, monitor, step):
     """RAGEN-2's stops (agent_trainer.fit), as (metric name, message) or None. Always: --empty-stop-steps steps in a
     row with nothing to train. With --early-stop: the in-group reward std of 10 consecutive steps all under 10% of
     its mean over the first 10 non-empty steps; or a val-env success under 0.01 at 5 validations in a row."""
@@ -921,59 +932,38 @@ def stop_reason(m):
     return None
 
 
-# ----------------------------------------------------------------------------- the StarPO loop
-from tqdm import tqdm
-
-train_envs, val_envs = {}, {}
-bar = tqdm(range(start_step, args.steps), disable=not master, initial=start_step, total=args.steps, dynamic_ncols=True)
-stop = None  # (metric name, message) of an early stop
-for step in bar:
-    t_step = time.time()
-    timing, m = {}, {"step": step}
-    if args.val_every > 0 and step % args.val_every == 0:
-        t0 = time.time()
-        m.update(validate(step, val_envs))
-        timing["val"] = time.time() - t0
-
-    # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
-    #    take their groups in --env order, each logged under its own name
-    t0 = time.time()
-    outs = run_rollout(args.env_mix, args.group_size,
-                       args.seed + step * rollout_groups, args.temperature, train_envs)
-    timing["rollout"] = time.time() - t0
-    for (e, _), o in zip(args.env_mix, outs):
-        m.update(env_metrics(o, f"train/{e}", args.group_size))
-    out = merge_rows(outs)
-    if args.log_trajectories_every and step % args.log_trajectories_every == 0:
-        dump_trajectories(out, f"train-step{step:05d}.jsonl")
-    # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
-    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:
-        t0 = time.time()
-        phase("collapse diagnostics")
-        m.update(collapse_metrics(out, step))
-        timing["collapse"] = time.time() - t0
-
-    # 2. scores -> normalisation -> filter whole groups (StarPO-S _filter_rollout, RAGEN-2 rollout_filter.py) ->
-    #    rows of the kept episodes, copied or dropped to a multiple of the mini-batch (RAGEN-2 adjust_batch)
-    t0 = time.time()
-    scores = out["scores"].float()  # [N] per episode: sum of turn rewards + format penalty
+# ----------------------------------------------------------------------------- the parts of one step
+def normalised_scores(out, outs):
+    """[N] each episode's score (sum of turn rewards + format penalty), normalised by --reward-norm unless rewards
+    go on turns; outs are the rollout's per-preset outputs (their env tags for --reward-norm-grouping inductive)."""
+    scores = out["scores"].float()
     if not args.turn_rewards:
-        tags = [e for (e, _), o in zip(args.env_mix, outs) for _ in range(len(o["scores"]))]  # inductive: the env tag
+        tags = [e for (e, _), o in zip(args.env_mix, outs) for _ in range(len(o["scores"]))]
         scores = starpo.normalize_scores(scores, args.group_size, args.reward_norm_grouping, args.reward_norm, tags)
+    return scores
+
+
+def filter_rows(out, scores, step):
+    """Whole groups filtered (StarPO-S _filter_rollout, RAGEN-2 rollout_filter.py) by --filter-metric, then the rows
+    of the kept episodes copied or dropped to a multiple of the mini-batch (RAGEN-2 adjust_batch).
+    Returns ([K] kept rows of out, the kept group fraction, metrics)."""
     ep = out["episode"]  # [R] episode of each row (R = N, except one row per turn under --context-window-mode)
     ranked = scores      # [N] what the filter ranks
     if args.filter_metric in ("length", "entropy", "entropy_std"):  # per episode: summed response tokens, or the mean
         if args.filter_metric == "length":                          # over its rows of a row's mean token entropy
             per_row = out["loss_mask"].sum(1).float()  # [R]
         else:  # the actor's entropy (RAGEN-2 EntropyRolloutFilter); rows padded to a multiple of world for FSDP
-            batch = {k: out[k][torch.arange(len(ep) + (-len(ep)) % world).clamp(max=max(len(ep) - 1, 0))]
-                     for k in ("tokens", "attention_mask", "loss_mask")}
-            per_row = forward_pass(actor, "entropy")[:len(ep)].sum(1) / out["loss_mask"].sum(1).clamp(min=1)  # 0 off the loss mask
+            padded = {k: out[k][torch.arange(len(ep) + (-len(ep)) % world).clamp(max=max(len(ep) - 1, 0))]
+                      for k in ("tokens", "attention_mask", "loss_mask")}
+            per_row = forward_pass(actor, padded, "entropy")[:len(ep)].sum(1) / out["loss_mask"].sum(1).clamp(min=1)
         ranked = torch.zeros(len(scores)).index_add_(0, ep, per_row)
         if args.filter_metric != "length":
             ranked = ranked / torch.bincount(ep, minlength=len(scores)).clamp(min=1)
-    keep, fstats = starpo.filter_groups(ranked, args.group_size, args.filter_ratio, filter_kind, args.filter_strategy,
+    kind = ("mean" if args.filter_metric in ("reward_mean", "entropy", "length") else "std") + \
+        ("_rev" if args.filter_type == "std_rev" else "")  # starpo.filter_groups' ranking statistic
+    keep, fstats = starpo.filter_groups(ranked, args.group_size, args.filter_ratio, kind, args.filter_strategy,
                                         not args.filter_drop_zero, args.filter_top_p_mode, args.filter_eps)  # [N] bool
+    m = {}
     if ranked is not scores:  # the ranked metric under its own name; rollout/in_group_* stay the reward's
         m.update({f"rollout/{args.filter_metric}/{k}": v for k, v in fstats.items()})
         fstats = {k: v for k, v in starpo.filter_groups(scores, args.group_size, 1.0)[1].items() if not k.startswith("chosen")}
@@ -984,42 +974,50 @@ for step in bar:
     g = torch.Generator().manual_seed(args.seed * 100003 + step)          # the same draw on every rank, and on resume
     idx = idx[starpo.adjust_rows(len(idx), row_multiple, args.batch_adjust, g)]  # [K] a no-op for a fixed top_k count
     m["train/empty_after_adjust"], m["train/batch_size"] = float(len(idx) == 0 and m["train/real_batch_size"] > 0), len(idx)
-    batch = {k: out[k][idx] for k in ("tokens", "attention_mask", "loss_mask", "old_logp")}
-    batch_ep = ep[idx]                                                    # [K] episode of each kept row
-    K, T = batch["tokens"].shape
-    mask = batch["loss_mask"].float()                                     # [K, T] tokens the policy sampled
-    rewards = torch.zeros(K, T)                                           # [K, T] reward on action tokens
-    for i, (r, e) in enumerate(zip(idx.tolist(), batch_ep.tolist())):
-        if args.turn_rewards:  # use_turn_scores: each turn's reward on its last sampled token (rows = episodes)
+    return idx, kept_ratio, m
+
+
+def place_rewards(out, idx, mask, scores):
+    """[K, T] rewards on the kept rows idx of out, at action tokens (mask [K, T]): each turn's reward on its last
+    sampled token with --turn-rewards (rows = episodes), else the normalised episode score on the row's last one."""
+    rewards = torch.zeros(mask.shape)
+    for i, (r, e) in enumerate(zip(idx.tolist(), out["episode"][idx].tolist())):
+        if args.turn_rewards:  # use_turn_scores
             for pos, rew in zip(out["turn_ends"][r], out["turn_rewards"][e]):
                 rewards[i, pos] += rew
-        else:  # RAGEN default: the (normalised) episode score on the row's last trained token
-            if mask[i].any():  # a row with no sampled token (context overflow at turn 1) has nothing to train
-                rewards[i, int(mask[i].nonzero().max())] = scores[e]
-    timing["filter"] = time.time() - t0
+        elif mask[i].any():  # a row with no sampled token (context overflow at turn 1) has nothing to train
+            rewards[i, int(mask[i].nonzero().max())] = scores[e]
+    return rewards
 
-    # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
-    t0 = time.time()
-    sampler_logp = batch["old_logp"]
-    if args.old_logp == "recompute":
-        phase("old log-probs")
-        batch["old_logp"] = forward_pass(actor, "logp")  # 0 off the loss mask, as the sampler's
-        m["rollout/sampler_logp_abs_diff"] = ((sampler_logp - batch["old_logp"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
-    timing["old_logp"] = time.time() - t0
-    t0 = time.time()
+
+def old_logprobs(batch, say):
+    """[K, T] the kept rows' old log-probs: recomputed by the actor before the update (RAGEN), or the sampler's;
+    with the sampler's distance from them as a metric."""
+    if args.old_logp == "sampler":
+        return batch["old_logp"], {}
+    say("old log-probs")
+    old = forward_pass(actor, batch, "logp")  # 0 off the loss mask, as the sampler's
+    mask = batch["mask"]
+    return old, {"rollout/sampler_logp_abs_diff": ((batch["old_logp"] - old).abs() * mask).sum().item() / max(mask.sum().item(), 1)}
+
+
+def reference_and_values(batch, say):
+    """[K, T] reference log-probs (None without a KL loss) and critic values (None without a critic)."""
     if ref is not None or critic is not None or args.kl_coef > 0:
-        phase("reference log-probs and values")
-    ref_logp = forward_pass(ref, "logp") if ref is not None else None
+        say("reference log-probs and values")
+    ref_logp = forward_pass(ref, batch, "logp") if ref is not None else None
     if args.kl_coef > 0 and args.lora_rank:  # LoRA: the reference is the base model = the actor with its adapter off
         actor.disable_adapters()             # (peft's disable_adapter, without a second copy of the weights)
-        ref_logp = forward_pass(actor, "logp")
+        ref_logp = forward_pass(actor, batch, "logp")
         actor.enable_adapters()
-    values = forward_pass(critic, "values") * mask if critic is not None else None
-    timing["ref_values"] = time.time() - t0
+    values = forward_pass(critic, batch, "values") * batch["mask"] if critic is not None else None
+    return ref_logp, values
 
-    # 4. advantages: GAE over action tokens (PPO), REINFORCE++ returns, or one advantage per episode from its group
-    t0 = time.time()
-    returns = None
+
+def advantages(batch, values, scores, groups, kept_ratio):
+    """GAE over action tokens (PPO), REINFORCE++ returns, or one advantage per episode from its group (scores and
+    groups [N] of the whole rollout). Returns advantages [K, T], returns [K, T] (PPO, else None), metrics."""
+    mask, rewards, m, returns = batch["mask"], batch["rewards"], {}, None
     if args.algo == "ppo":
         if args.bi_level_gae:
             adv, returns = starpo.bi_level_gae(rewards, values, mask, args.gamma, args.lam, args.high_level_gamma)
@@ -1034,106 +1032,193 @@ for step in bar:
     else:  # grpo, drgrpo, rloo, reinforce_pp_baseline on the kept episodes, each counted once however many rows it
         # has (RAGEN-2 dedups (uid, episode) for GRPO). With grpo's default --reward-norm mean_std the scores are
         # already group-normalised and this is the identity up to eps; RAGEN-2 runs it on --reward-norm identity
-        eps_kept, row_of = batch_ep.unique(return_inverse=True)  # [E] kept episodes, [K] each row's place in them
-        adv = starpo.group_advantages(scores[eps_kept], out["group"][eps_kept], args.algo)[row_of][:, None] * mask
+        eps_kept, row_of = batch["episode"].unique(return_inverse=True)  # [E] kept episodes, [K] each row's place in them
+        adv = starpo.group_advantages(scores[eps_kept], groups[eps_kept], args.algo)[row_of][:, None] * mask
         if args.algo == "reinforce_pp_baseline":  # veRL then whitens over the batch's tokens
             adv = starpo.masked_whiten(adv, mask)
     if args.filter_loss_scaling != "none":  # RAGEN-2 filter_loss_scaling: damp the update by the kept group fraction
         adv = adv * (kept_ratio if args.filter_loss_scaling == "linear" else math.sqrt(kept_ratio))
-    timing["adv"] = time.time() - t0
+    return adv, returns, m
 
-    # 5. PPO updates: ppo_epochs x mini-batches of --mini-batch-size rows, this rank's share of each
-    t0 = time.time()
+
+def critic_update(mine, batch, returns, values, counts):
+    """One critic optimizer step over this rank's micro-batches `mine` of a mini-batch. Returns (summed loss terms,
+    metrics per micro-batch): every micro-batch's loss is already divided by the mini-batch's global counts."""
+    part, acc = {}, {}
+    critic_opt.zero_grad(set_to_none=True)
+    for j, mb in enumerate(mine):
+        if ddp:  # FSDP2: reduce-scatter the gradients once, in the mini-batch's last backward
+            critic.set_requires_gradient_sync(j == len(mine) - 1)
+        tokens, am, mmask, mret, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
+                                             batch["mask"], returns, values)
+        with autocast():
+            v = critic(tokens, am, share_prefix)
+        vf_loss, vm = starpo.value_loss(v.float(), mold, mret, mmask, args.value_clip, args.loss_agg, **counts)
+        (vf_loss * world).backward()  # FSDP averages gradients over ranks; the count is already global
+        part["critic/vf_loss"] = part.get("critic/vf_loss", 0.0) + vf_loss.item()
+        for k, x in vm.items():
+            acc.setdefault(f"critic/{k}", []).append(float(x))
+    acc["critic/grad_norm"] = [starpo.clip_and_step(critic, critic_opt, args.grad_clip)]
+    return part, acc
+
+
+def actor_update(mine, batch, adv, old_logp, ref_logp, counts):
+    """One actor optimizer step over this rank's micro-batches `mine` of a mini-batch: clipped policy loss, entropy
+    bonus, KL loss to ref_logp if given. Returns (summed loss terms, metrics per micro-batch) as critic_update."""
+    part, acc = {}, {}
+    opt.zero_grad(set_to_none=True)
+    for j, mb in enumerate(mine):
+        if ddp:  # until then each rank accumulates unsharded fp32 gradients (memplan's grad_buffers)
+            actor.set_requires_gradient_sync(j == len(mine) - 1)
+        tokens, am, mmask, madv, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
+                                             batch["mask"], adv, old_logp)
+        with autocast(), saved_bytes(actor) as held:
+            logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True,
+                                             mask=mmask, share_prefix=share_prefix)
+        acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
+        logp, ent = logp.float(), ent.float()
+        pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
+                                         args.dual_clip, args.loss_agg, **counts)
+        loss = pg_loss - args.entropy_coef * starpo.aggregate(ent, mmask, args.loss_agg, **counts)
+        if ref_logp is not None:
+            kl = starpo.kl_penalty(logp, trim(batch["attention_mask"], mb, ref_logp)[0], args.kl_type)
+            kl_loss = starpo.aggregate(kl, mmask, args.loss_agg, **counts)
+            loss = loss + args.kl_coef * kl_loss
+            part["actor/kl_loss"] = part.get("actor/kl_loss", 0.0) + kl_loss.item()
+        (loss * world).backward()
+        part["actor/pg_loss"] = part.get("actor/pg_loss", 0.0) + pg_loss.item()
+        part["actor/entropy"] = part.get("actor/entropy", 0.0) + (ent * mmask).sum().item() / max(counts["token_count"], 1)
+        for k, x in pm.items():
+            acc.setdefault(f"actor/{k}", []).append(float(x))
+    acc["actor/grad_norm"] = [starpo.clip_and_step(actor, opt, args.grad_clip)]
+    return part, acc
+
+
+def update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
+    """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
+    step (PPO), then an actor step. A non-finite actor gradient skips its step (counted in monitor). Returns the
+    metrics averaged over mini-batches and ranks."""
     acc = {}
     actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if critic is not None:
         critic.train()
-    minibatches = update_partition(K)  # [(rows, this rank's micro-batches of them)], as the no-grad passes above
+    minibatches = update_partition(len(batch["tokens"]))  # [(rows, this rank's micro-batches of them)], as forward_pass
     for epoch in range(args.ppo_epochs):
         for i, (mb_rows, mine) in enumerate(minibatches):
-            phase(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
-            n_tok = mask[mb_rows].sum().item()  # global token / row counts of this mini-batch (known on every rank)
-            counts = dict(token_count=n_tok, seq_count=int(mask[mb_rows].any(-1).sum()))  # rows with a loss token
-            part = {}  # loss terms of this mini-batch: every micro-batch's is already divided by the global count
-            # critic
-            if critic is not None:
-                critic_opt.zero_grad(set_to_none=True)
-                for j, mb in enumerate(mine):
-                    if ddp:  # FSDP2: reduce-scatter the gradients once, in the mini-batch's last backward
-                        critic.set_requires_gradient_sync(j == len(mine) - 1)
-                    tokens, am, mmask, mret, mold = trim(mb, batch["tokens"], batch["attention_mask"], mask, returns, values)
-                    with autocast():
-                        v = critic(tokens, am, share_prefix)
-                    vf_loss, vm = starpo.value_loss(v.float(), mold, mret, mmask, args.value_clip, args.loss_agg, **counts)
-                    (vf_loss * world).backward()  # FSDP averages gradients over ranks; the count is already global
-                    part["critic/vf_loss"] = part.get("critic/vf_loss", 0.0) + vf_loss.item()
-                    for k, x in vm.items():
-                        acc.setdefault(f"critic/{k}", []).append(float(x))
-                acc.setdefault("critic/grad_norm", []).append(starpo.clip_and_step(critic, critic_opt, args.grad_clip))
-            # actor
-            opt.zero_grad(set_to_none=True)
-            for j, mb in enumerate(mine):
-                if ddp:  # until then each rank accumulates unsharded fp32 gradients (memplan's grad_buffers)
-                    actor.set_requires_gradient_sync(j == len(mine) - 1)
-                tokens, am, mmask, madv, mold = trim(mb, batch["tokens"], batch["attention_mask"], mask, adv, batch["old_logp"])
-                with autocast(), saved_bytes(actor) as held:
-                    logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True,
-                                                     mask=mmask, share_prefix=share_prefix)
-                acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
-                logp, ent = logp.float(), ent.float()
-                pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
-                                                 args.dual_clip, args.loss_agg, **counts)
-                ent_loss = starpo.aggregate(ent, mmask, args.loss_agg, **counts)
-                loss = pg_loss - args.entropy_coef * ent_loss
-                if ref_logp is not None:
-                    mref = trim(mb, ref_logp)[0]
-                    kl = starpo.kl_penalty(logp, mref, args.kl_type)
-                    kl_loss = starpo.aggregate(kl, mmask, args.loss_agg, **counts)
-                    loss = loss + args.kl_coef * kl_loss
-                    part["actor/kl_loss"] = part.get("actor/kl_loss", 0.0) + kl_loss.item()
-                (loss * world).backward()
-                part["actor/pg_loss"] = part.get("actor/pg_loss", 0.0) + pg_loss.item()
-                part["actor/entropy"] = part.get("actor/entropy", 0.0) + (ent * mmask).sum().item() / max(n_tok, 1)
-                for k, x in pm.items():
-                    acc.setdefault(f"actor/{k}", []).append(float(x))
-            gn = starpo.clip_and_step(actor, opt, args.grad_clip)
-            acc.setdefault("actor/grad_norm", []).append(gn)
-            if not math.isfinite(gn):
+            say(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
+            mask = batch["mask"][mb_rows]  # global token / row counts of this mini-batch (known on every rank)
+            counts = dict(token_count=mask.sum().item(), seq_count=int(mask.any(-1).sum()))  # rows with a loss token
+            part, got = critic_update(mine, batch, returns, values, counts) if critic is not None else ({}, {})
+            actor_part, actor_got = actor_update(mine, batch, adv, old_logp, ref_logp, counts)
+            if not math.isfinite(actor_got["actor/grad_norm"][0]):
                 monitor["skipped"] += 1
                 print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
-            for k, x in part.items():  # x * world: all_reduce_mean below then sums the ranks' partials
+            for k, x in list(got.items()) + list(actor_got.items()):
+                acc.setdefault(k, []).extend(x)
+            for k, x in {**part, **actor_part}.items():  # x * world: all_reduce_mean below then sums the ranks' partials
                 acc.setdefault(k, []).append(x * world)
     actor.eval()
     if critic is not None:
         critic.eval()
-    m.update(all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()}))
-    m["actor/skipped_updates"] = monitor["skipped"]
-    m["actor/lr"] = args.lr
+    m = all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()})
+    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr})
+
+
+def step_summary(m, timing, out, batch):
+    """Timings, throughput and memory of a step for its metrics, and the progress bar's line."""
+    perf = {f"timing_s/{k}": v for k, v in timing.items()}
+    perf["perf/rollout_tokens_per_s"] = out["stats"]["response_tokens"].sum().item() / max(timing["rollout"], 1e-9)
+    perf["perf/update_tokens_per_s"] = batch["attention_mask"].sum().item() * args.ppo_epochs / max(timing["update"], 1e-9)
+    if use_cuda:
+        perf["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    line = (f"score {m[f'train/{args.env}/score']:.3f} succ {m[f'train/{args.env}/success']:.2f} "
+            f"std {m['rollout/in_group_std']:.3f} ent {m.get('actor/entropy', 0):.3f} "
+            f"gn {m.get('actor/grad_norm', 0):.2f} {timing['step']:.1f}s")
+    return perf, line
+
+
+# ----------------------------------------------------------------------------- the StarPO loop
+from tqdm import tqdm
+
+train_envs, val_envs = {}, {}
+# collapse indicators and stop counters, checkpointed with the run
+monitor = ckpt["monitor"] if ckpt is not None else {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
+bar = tqdm(range(start_step, args.steps), disable=not master, initial=start_step, total=args.steps, dynamic_ncols=True)
+stop = None  # (metric name, message) of an early stop
+for step in bar:
+    say = functools.partial(phase, bar, step)
+    t_step = time.time()
+    timing, m = {}, {"step": step}
+    if args.val_every > 0 and step % args.val_every == 0:
+        t0 = time.time()
+        m.update(validate(step, val_envs, say))
+        timing["val"] = time.time() - t0
+
+    # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
+    #    take their groups in --env order, each logged under its own name
+    t0 = time.time()
+    outs = run_rollout(args.env_mix, args.group_size, args.seed + step * args.num_groups, args.temperature, train_envs, say)
+    timing["rollout"] = time.time() - t0
+    for (e, _), o in zip(args.env_mix, outs):
+        m.update(env_metrics(o, f"train/{e}", args.group_size))
+    out = merge_rows(outs)
+    if args.log_trajectories_every and step % args.log_trajectories_every == 0:
+        dump_trajectories(out, f"train-step{step:05d}.jsonl")
+    # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
+    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:
+        t0 = time.time()
+        say("collapse diagnostics")
+        m.update(collapse_metrics(out, step))
+        timing["collapse"] = time.time() - t0
+
+    # 2. select rows: normalise the scores, filter whole groups, adjust the row count, place the rewards
+    t0 = time.time()
+    scores = normalised_scores(out, outs)  # [N]
+    idx, kept_ratio, fm = filter_rows(out, scores, step)  # [K]
+    m.update(fm)
+    batch = {k: out[k][idx] for k in ("tokens", "attention_mask", "loss_mask", "old_logp", "episode")}  # [K, T] / [K]
+    batch["mask"] = batch["loss_mask"].float()  # [K, T] tokens the policy sampled
+    batch["rewards"] = place_rewards(out, idx, batch["mask"], scores)  # [K, T]
+    timing["filter"] = time.time() - t0
+
+    # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
+    t0 = time.time()
+    old_logp, om = old_logprobs(batch, say)
+    m.update(om)
+    timing["old_logp"] = time.time() - t0
+    t0 = time.time()
+    ref_logp, values = reference_and_values(batch, say)
+    timing["ref_values"] = time.time() - t0
+
+    # 4. advantages
+    t0 = time.time()
+    adv, returns, am = advantages(batch, values, scores, out["group"], kept_ratio)
+    m.update(am)
+    timing["adv"] = time.time() - t0
+
+    # 5. PPO updates, then the rollout copy takes the new weights
+    t0 = time.time()
+    m.update(update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
     timing["update"] = time.time() - t0
     t0 = time.time()
     m["perf/sync_gathered_mb"] = sync_rollout_weights() / 2**20
     timing["sync"] = time.time() - t0
 
-    # 6. log, validate at the end, checkpoint
+    # 6. log, checkpoint
     timing["step"] = time.time() - t_step
-    m.update({f"timing_s/{k}": v for k, v in timing.items()})
-    m["perf/rollout_tokens_per_s"] = out["stats"]["response_tokens"].sum().item() / max(timing["rollout"], 1e-9)
-    m["perf/update_tokens_per_s"] = batch["attention_mask"].sum().item() * args.ppo_epochs / max(timing["update"], 1e-9)
-    if use_cuda:
-        m["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    m["warnings"] = collapse_warnings(m)
+    perf, line = step_summary(m, timing, out, batch)
+    m.update(perf)
+    m["warnings"] = collapse_warnings(m, monitor)
     for w in m["warnings"]:
         print0(f"step {step}: WARNING {w}")
-    stop = stop_reason(m)
+    stop = stop_reason(m, monitor, step)
     if stop:
         m[f"early_stopped/{stop[0]}"] = 1.0
     log(m)
-    bar.set_postfix_str(f"score {m[f'train/{args.env}/score']:.3f} succ {m[f'train/{args.env}/success']:.2f} "
-                        f"std {m['rollout/in_group_std']:.3f} ent {m.get('actor/entropy', 0):.3f} "
-                        f"gn {m.get('actor/grad_norm', 0):.2f} {timing['step']:.1f}s")
+    bar.set_postfix_str(line)
     if stop or step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
-        phase("checkpoint")
-        save_checkpoint(step)
+        say("checkpoint")
+        save_checkpoint(step, monitor)
     if stop:
         print0(f"step {step}: stopping early: {stop[1]} (checkpoint in {args.out})")
         break
@@ -1141,7 +1226,8 @@ for step in bar:
 if args.val_every > 0 and not stop:  # RAGEN also validates after the last update (again on a resume at the end)
     t0 = time.time()
     print0(f"final validation: {args.val_env}, {args.val_groups} seeds each")
-    m = {"step": args.steps, **validate(args.steps, val_envs), "timing_s/val": time.time() - t0}
+    m = {"step": args.steps, **validate(args.steps, val_envs, functools.partial(phase, bar, args.steps)),
+         "timing_s/val": time.time() - t0}
     log(m)
 
 if master:  # what moved on the held-out validation seeds, where the run's files are, what to run next
