@@ -125,12 +125,13 @@ def pad_batch(rows, pad_id):
 
 
 def sft_loss(model, tokens, attention_mask, loss_mask):
-    """Mean cross-entropy of the loss-masked tokens given everything before them. Only the positions that
+    """Summed cross-entropy of the loss-masked tokens given everything before them (the caller divides by the
+    token count over all ranks, so that any number of ranks takes the same token mean). Only the positions that
     predict a masked token go through lm_head (a [N, V] logit matrix instead of [B, T, V])."""
     predicts = torch.zeros_like(loss_mask)                          # [B, T] position t predicts token t + 1
     predicts[:, :-1] = loss_mask[:, 1:]
     logits = model(input_ids=tokens, attention_mask=attention_mask.long(), logits_to_keep=predicts).logits  # [N, V]
-    return F.cross_entropy(logits.float(), tokens[:, 1:][loss_mask[:, 1:]])
+    return F.cross_entropy(logits.float(), tokens[:, 1:][loss_mask[:, 1:]], reduction="sum")
 
 
 # ----------------------------------------------------------------------------- the script
@@ -242,16 +243,18 @@ def main(argv=None):
             order += torch.randperm(len(rows), generator=gen).tolist()
         batch, order = order[:args.batch_size], order[args.batch_size:]
         tokens, attn, mask = (x.to(device) for x in pad_batch([rows[i] for i in batch[rank::world]], pad))
+        n = mask[:, 1:].sum().float()  # this rank's loss tokens; the mean is over every rank's
+        if ddp:
+            dist.all_reduce(n)
         with (torch.autocast("cuda", torch.bfloat16) if use_cuda else torch.autocast("cpu", enabled=False)):
-            loss = sft_loss(net, tokens, attn, mask)
-        loss.backward()
+            loss = sft_loss(net, tokens, attn, mask) / n.clamp(min=1)
+        (loss * world).backward()  # DDP averages the ranks' gradients; the sum over ranks is the global mean
         norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.detach()
-        if ddp:  # the mean of the ranks' losses (gloo has no AVG)
+        if ddp:  # each rank holds its share of the global token mean
             dist.all_reduce(loss)
-            loss /= world
         say(f"step {step + 1}/{steps}  loss {loss.item():.4f}  grad-norm {norm.item():.3f}  {time.perf_counter() - t0:.0f} s")
 
     if rank == 0:  # a plain HF directory: the adapter merged in, fp32 weights, the tokenizer beside them
@@ -261,7 +264,8 @@ def main(argv=None):
         with open(os.path.join(out_dir, "sft.json"), "w") as f:  # not args.json: eval.py reads that as a train.py run
             json.dump(dict(vars(args), presets=presets, steps=steps, world=world, final_loss=loss.item()), f, indent=1)
         say(f"saved {out_dir}  (eval.py --model {out_dir} --env {' '.join(presets)})")
-    if ddp:
+    if ddp:  # the ranks leave together: a gloo rank that tears down while rank 0 is still writing can hang at exit
+        dist.barrier()
         dist.destroy_process_group()
 
 
