@@ -42,11 +42,11 @@ AGENT_DEFAULTS = dict(max_turns=5, max_actions_per_turn=5, max_context=3600)  # 
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
 # (validation samples at --val-temperature, keyed by the run's --seed)
 FROM_RUN = dict({k: k for k in ("no_think", "max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens",
-                                 "max_context", "format_penalty", "top_p", "no_kv_reuse", "max_context_window",
+                                 "max_context", "format_penalty", "top_p", "no_kv_reuse", "no_prefix_sharing", "max_context_window",
                                  "context_window_mode", "val_seed")}, temperature="val_temperature", env="val_env",
                 sample_seed="seed")
 DEFAULTS = dict(no_think=False, max_actions_per_traj=None, max_new_tokens=400, format_penalty=-0.1, temperature=0.5,
-                top_p=1.0, no_kv_reuse=False, max_context_window=-1, context_window_mode="full", val_seed=123,
+                top_p=1.0, no_kv_reuse=False, no_prefix_sharing=False, max_context_window=-1, context_window_mode="full", val_seed=123,
                 sample_seed=0, env=None)
 
 
@@ -197,7 +197,8 @@ def evaluate(args):
             seeds = [args.val_seed + g for g in gs for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
             out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
-                          greedy=args.greedy, split=args.split if cls is env_webshop.WebShopEnv else None, **settings)
+                          greedy=args.greedy, split=args.split if cls is env_webshop.WebShopEnv else None,
+                          share_prefixes=not args.no_prefix_sharing, **settings)
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
         elapsed = time.time() - t0
         with open(os.path.join(args.out, f"{key}.jsonl"), "w") as f:
@@ -303,6 +304,8 @@ def main(argv=None):
     p.add_argument("--max-context", type=int, default=None, help="default 3600 (WebShop 15000)")
     p.add_argument("--format-penalty", type=float, default=None, help="default -0.1")
     p.add_argument("--no-kv-reuse", action="store_true", default=None, help="re-prefill every turn instead of extending the KV cache")
+    p.add_argument("--no-prefix-sharing", action="store_true", default=None, help="prefill every prompt in full, "
+                   "sharing no common prefix (same tokens up to rounding; a run dir: its own)")
     p.add_argument("--max-context-window", type=int, default=None, help="show only the last k turns (default -1: all; a run dir: its own)")
     p.add_argument("--context-window-mode", default=None, choices=["full", "limited_multi_turn", "single_turn"],
                    help="how a window lays out the context (default full; a run dir: its own)")

@@ -49,6 +49,7 @@ def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=Tr
     acts = (L * 4 * d if ckpt else L * per_tok) * tokens + (12 * d + 8) * tokens  # + ids, final norm, chunk inputs
     slots = (seq + 1) // 128 * 128 + 128                        # rollout.static_capacity(max_context + 1)
     accumulates = -(-mini // world // micro) > 1                # several micro-batches per rank per optimizer step
+    lm_copy = 4 * embed if world > 1 and bf16 else 0            # token_logprobs' fp32 copy of a bf16 lm_head weight
     part = dict(
         weights=4 * (P + adapters) / world, grads=4 * train_actor / world, adamw=8 * train_actor / world,
         critic=(4 * (trunk + adapters) + 12 * train_critic) / world if critic else 0,
@@ -68,11 +69,13 @@ def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=Tr
         # trainable parameter's unsharded gradient accumulates in fp32 (reduce dtype) on each rank
         grad_buffers=((rb + 4) * (root + 2 * layer) if not lora_rank else 0) + (4 * train_actor if accumulates else 0)
         if world > 1 else 0,
-        # one chunk of token_logprobs: logits, log_softmax, probabilities, their product in fp32; its backward
-        # recomputes them and adds the gradients of the log-softmax and of the logits, plus lm_head's weight
-        # gradient in the compute dtype before it is accumulated
-        logprob_chunk=4 * min(chunk, tokens) * V * 4,
-        logprob_backward=2 * min(chunk, tokens) * V * 4 + (rb * embed if bf16 and not lora_rank else 0),
+        # one chunk of token_logprobs: logits, log_softmax, probabilities, their product in fp32, computed from an
+        # fp32 copy of lm_head's weight where the weight is bf16 (FSDP2's gathered parameters). Its backward
+        # recomputes them (the copy included) and adds the gradients of the log-softmax and of the logits, and
+        # lm_head's fp32 weight gradient, cast to bf16 for a bf16 parameter, before it is accumulated
+        logprob_chunk=4 * min(chunk, tokens) * V * 4 + lm_copy,
+        logprob_backward=2 * min(chunk, tokens) * V * 4 + lm_copy
+        + (0 if lora_rank else 4 * embed + (rb * embed if lm_copy else 0)),
     )
     part["total"] = sum(part.values())
     return part
