@@ -1,10 +1,15 @@
-"""All tests of the project: CPU-first, tiny random models, a few minutes on 2 cores.
+"""All tests of the project: CPU-first, tiny random models.
 
-    python -m pytest -q test_all.py
+    python -m pytest -q -n 2 test_all.py                  # the whole suite (the CI command)
+    python -m pytest -q -n 2 test_all.py -m "not slow"    # the fast tier: no subprocess, no paper-shape model
 
-Each section tests one file against an independent reference: hand-worked cases, slow plain-Python
-loops, a brute-force solver, a full-recompute sampler, a 1-process run for the 2-process torchrun run.
+Grouped by concept: environments, StarPO maths, models and sampler, training, checkpoints and resume, evaluation
+and plots, supervised warm-up. Each section tests its file against an independent reference: hand-worked cases,
+slow plain-Python loops, a brute-force solver, a full-recompute sampler, a 1-process run for the 2-process torchrun
+run. Tests marked `slow` (pytest.ini) start train.py, eval.py, sft.py, bench.py or torchrun, or build the paper's
+model shape.
 """
+import itertools
 import json
 import math
 import os
@@ -12,25 +17,31 @@ import random
 import statistics
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
 from env_bandit import BanditEnv, PRESETS as BANDIT_PRESETS
+import env_countdown as CD
 from env_frozenlake import FrozenLakeEnv, PRESETS as FROZENLAKE_PRESETS, has_path
 from env_sokoban import SokobanEnv, PRESETS as SOKOBAN_PRESETS, solve
 import env_webshop as W
 import eval as ev
 import rollout
+import sft
 import starpo
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 # ==================================================================================================
-# Environments: Bandit, Sokoban, FrozenLake (env_*.py)
+# Environments: Bandit, Sokoban, FrozenLake, WebShop, Countdown (env_*.py)
 # ==================================================================================================
-
 ALL_PRESETS = [(BanditEnv, BANDIT_PRESETS), (SokobanEnv, SOKOBAN_PRESETS), (FrozenLakeEnv, FROZENLAKE_PRESETS)]
+
+
 ENV_PRESETS = [(cls, name) for cls, presets in ALL_PRESETS for name in presets]
 
 
@@ -111,7 +122,7 @@ def test_garbage_actions_never_raise(cls, name):
         assert env.render() == obs
 
 
-# ----------------------------------------------------------------------------- Bandit
+# ------------------------------------------------------------------ Bandit
 def test_bandit_prompt_and_order():
     env = BanditEnv("Phoenix", "Dragon")
     firsts = {env.reset(seed).split("named ")[1].split(" and")[0] for seed in range(20)}
@@ -153,7 +164,7 @@ def test_bandit_payout_means():
     assert sum(hi[:2000]) / 2000 == pytest.approx(0.2445)
 
 
-# ----------------------------------------------------------------------------- Sokoban
+# ------------------------------------------------------------------ Sokoban
 def test_sokoban_matches_ragen_room():
     env = SokobanEnv(**SOKOBAN_PRESETS["SimpleSokoban"]["kwargs"])
     # the room RAGEN renders for seed 10000
@@ -227,7 +238,7 @@ def test_sokoban_generated_rooms_are_solvable(name):
         assert 3.6 < sum(lengths) / len(lengths) < 4.6
 
 
-# ----------------------------------------------------------------------------- FrozenLake
+# ------------------------------------------------------------------ FrozenLake
 def test_frozenlake_matches_ragen_map():
     env = FrozenLakeEnv(**FROZENLAKE_PRESETS["FrozenLake"]["kwargs"])
     assert env.reset(10000) == "____\n____\n___O\nGP__"  # RAGEN's map for seed 10000
@@ -291,16 +302,91 @@ def test_frozenlake_slip_frequencies():
     assert n > 3000 and all(abs(k / n - 1 / 3) < 4 * math.sqrt(2 / 9 / n) for k in counts), counts
 
 
-# ==================================================================================================
-# WebShop (env_webshop.py)
-# ==================================================================================================
+def test_frozenlake_success_rate():
+    # success_rate 1 on slippery ice = the non-slippery lake, step for step
+    det, plain = FrozenLakeEnv(success_rate=1.0), FrozenLakeEnv(is_slippery=False)
+    for seed in range(300):
+        assert det.reset(seed) == plain.reset(seed)
+        policy = random.Random(seed)
+        for _ in range(10):
+            a = policy.choice(["Left", "Down", "Right", "Up"])
+            assert det.step(a) == plain.step(a)
+    # success_rate s: intended with s, each perpendicular with (1 - s) / 2
+    for s in (0.6, 0.0):
+        counts = slip_counts(FrozenLakeEnv(success_rate=s), 2500)
+        n, want = sum(counts), [(1 - s) / 2, s, (1 - s) / 2]
+        assert n > 1200 and all(abs(k / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9 for k, p in zip(counts, want)), counts
+    with pytest.raises(ValueError):
+        FrozenLakeEnv(success_rate=1.5)
 
+
+def test_frozenlake_shortest_path_hand_made():
+    env = FrozenLakeEnv(success_rate=1.0)
+    env.load("P_O_\n__O_\nO___\n___G")
+    from env_frozenlake import shortest_path
+    path = shortest_path(env.desc, env.pos)
+    assert len(path) == 6, path  # Manhattan distance: the holes leave a shortest path open
+    for a in path:
+        _, r, done, info = env.step(a)
+    assert done and info["success"]
+    assert shortest_path(["SH", "HG"], (0, 0)) is None and shortest_path(["SH", "HG"], (1, 1)) == []
+
+
+# ------------------------------------------------------------ Coord presets (RAGEN-2): the grids as coordinate lists
+def test_coord_renders_hand_worked():
+    env = SokobanEnv(**SOKOBAN_PRESETS["CoordSokoban"]["kwargs"])
+    assert env.reset(10000) == (
+        "Coordinates: \nBoard size: 6 rows x 6 cols (zero-indexed).\n"
+        "Walls: (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 2), (1, 3), (1, 4), (1, 5), (2, 0), (2, 3), "
+        "(2, 4), (2, 5), (3, 0), (3, 3), (3, 4), (3, 5), (4, 0), (4, 4), (4, 5), (5, 0), (5, 1), (5, 2), (5, 3), (5, 4), "
+        "(5, 5)\nTargets: (1, 1)\nBoxes: (3, 1)\nPlayer: (4, 2)\n"
+        "Grid Map: \n######\n#O####\n#__###\n#X_###\n#_P_##\n######")  # the grid is RAGEN's seed-10000 room
+    obs = env.load("######\n#√_S_#\n#_X__#\n######")
+    assert obs.split("\n")[3:7] == ["Targets: (1, 1), (1, 3)", "Boxes: (2, 2)", "Boxes on target: (1, 1)",
+                                    "Player on target: (1, 3)"] and "\nPlayer: " not in obs
+    lake = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"])
+    assert lake.reset(10000) == ("Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (3, 1)\n"
+                                 "Goal: (3, 0)\nPlayer: (3, 1)\nHoles: (2, 3)\nGrid Map: \n____\n____\n___O\nGP__")
+    det = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLakeDet"]["kwargs"])
+    det.reset(10000)
+    assert det.step("Left")[0].split("\n")[4] == "Player on goal: (3, 0)"
+    det.load("_P__\n_O__\n____\n___G")
+    obs = det.step("Down")[0]
+    assert "Player in hole: (1, 1)\nHoles: (1, 1)\n" in obs and "Start" not in obs and obs.endswith("____\n_X__\n____\n___G")
+    for name, presets in (("CoordSokoban", SOKOBAN_PRESETS), ("CoordFrozenLake", FROZENLAKE_PRESETS)):
+        ins = presets[name]["instruction"]
+        assert "zero-indexed coordinates" in ins and "The meaning of each symbol" not in ins  # RAGEN-2: no legend
+        assert ins.endswith('</answer>.\n\nYour available actions are:\n' + ", ".join(presets is SOKOBAN_PRESETS and
+                            ["Up", "Down", "Left", "Right"] or ["Left", "Down", "Right", "Up"])
+                            + '\nYou can make up to 10 actions, separated by the action separator " || "\n')
+        assert (presets[name]["max_turns"], presets[name]["max_actions_per_turn"]) == (5, 2)  # RAGEN-2 base.yaml
+
+
+def test_coord_frozenlake_lakes_are_ragen2s():
+    def ragen2_lake(seed):  # RAGEN-2 frozen_lake/utils.py generate_random_map, as a plain loop
+        rng = np.random.default_rng(seed)
+        while True:
+            board = [list(row) for row in rng.choice(["F", "H"], (4, 4), p=[0.8, 0.2])]
+            (sr, sc), (gr, gc) = rng.integers(4, size=2), rng.integers(4, size=2)
+            if (sr, sc) != (gr, gc):
+                board[sr][sc], board[gr][gc] = "S", "G"
+                if has_path(["".join(r) for r in board], (int(sr), int(sc))):
+                    return ["".join(r) for r in board]
+    coord, plain, differ = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"]), FrozenLakeEnv(), 0
+    for seed in range(600):
+        coord.reset(seed)
+        plain.reset(seed)
+        assert coord.desc == ragen2_lake(seed)
+        differ += coord.desc != plain.desc
+    assert 10 < differ < 80  # RAGEN-2 draws a new board when start == goal, RAGEN new cells: about 1 seed in 15
+
+
+# ------------------------------------------------------------------ WebShop: catalog, goals, splits
 @pytest.fixture(scope="module")
 def env():
     return W.WebShopEnv(**W.PRESETS["WebShop"]["kwargs"])  # the catalog + index are built once per process
 
 
-# ----------------------------------------------------------------------------- catalog, goals, splits
 def test_catalog_and_goals_are_deterministic():
     a, b, c = W.generate_catalog(300, seed=7), W.generate_catalog(300, seed=7), W.generate_catalog(300, seed=8)
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
@@ -363,7 +449,7 @@ def test_every_goal_is_reachable_with_reward_one(env):
         assert W.webshop_reward(g, shop["by_asin"][g["asin"]], g["goal_options"])[0] == 1.0
 
 
-# ----------------------------------------------------------------------------- pages and actions
+# ------------------------------------------------------------------ WebShop: pages and actions
 def test_pages_text_and_actions(env):
     env.reset(4, "test")
     goal, instr = env.goal, env.goal["instruction_text"]
@@ -454,12 +540,23 @@ def test_garbage_and_unavailable_actions_are_no_ops(env):
                 break
 
 
-# ----------------------------------------------------------------------------- policies
+# ------------------------------------------------------------------ WebShop: policies
 def test_oracle_reaches_one_on_200_goals(env):
     for split, seeds in (("test", range(200)), ("val", range(20)), ("train", range(10000, 10020))):
         for seed in seeds:
             reward, info, _ = W.run_oracle(env, seed, split)
             assert reward == 1.0 and info["success"], (split, seed)
+
+
+def test_webshop_oracle_action_buys_the_target():
+    env = W.WebShopEnv()
+    for seed in range(20):
+        env.reset(seed, "test")
+        for _ in range(9):
+            _, reward, done, info = env.step(W.oracle_action(env))
+            if done:
+                break
+        assert info["success"], seed
 
 
 def test_random_clicker_scores_far_lower(env):
@@ -491,7 +588,7 @@ def test_bm25_scores_hand_worked():
                                                                                          "shoe", "cup"]
 
 
-# ----------------------------------------------------------------------------- reward (hand-worked)
+# ------------------------------------------------------------------ WebShop: reward (hand-worked)
 GOAL = dict(asin="B000000001", query="women's dresses", name="Acme Women's Long Sleeve Dress",
             product_category="Clothing, Shoes & Jewelry › Women › Clothing › Dresses",
             nouns=["acme", "women", "dress"],
@@ -583,7 +680,7 @@ def test_indel_ratio_matches_dynamic_programming():
             assert W._indel_ratio(a, b) == pytest.approx(200 * lcs(a, b) / (len(a) + len(b)))
 
 
-# ----------------------------------------------------------------------------- presets and the real-data loader
+# ------------------------------------------------------------------ WebShop: presets and the real-data loader
 def test_presets():
     assert set(W.PRESETS) == {"WebShop"}
     p = W.PRESETS["WebShop"]
@@ -629,16 +726,139 @@ def test_real_data_loader(tmp_path, monkeypatch):
         W.load_webshop_json(str(tmp_path / "missing.json"), str(tmp_path / "attrs.json"))
 
 
+# ------------------------------------------------------------------ Countdown
+def ragen_has_solution(nums, target):
+    """RAGEN countdown has_solution, as a plain loop: pad to 4 numbers with zeros, try all 16 sign vectors."""
+    padded = nums + [0] * (4 - len(nums))
+    return any(sum(s * n for s, n in zip(signs, padded)) == target for signs in itertools.product([1, -1], repeat=4))
+
+
+def test_countdown_generated_tasks_are_solvable():
+    env = CD.CountdownEnv(**CD.PRESETS["Countdown"]["kwargs"])
+    for seed in [*range(500), *range(10_000, 10_500)]:  # 500 validation and 500 training tasks
+        obs = env.reset(seed)
+        assert obs == f"Target: {env.target}, nums: {env.nums}"
+        assert len(env.nums) in (3, 4) and all(1 <= n <= 99 for n in env.nums) and 1 <= env.target <= 100
+        assert ragen_has_solution(env.nums, env.target)  # RAGEN keeps only these
+        expr = CD.solve(env.nums, env.target)            # brute force over + - * /, exact
+        assert expr is not None
+        assert env.step(expr) == ("Your answer get 1.0 points.", 1.0, True,
+                                  dict(action_is_valid=True, action_is_effective=True, success=True))
+
+
+def test_countdown_reward_hand_picked_answers():
+    nums, target = [44, 19, 35], 98  # the public set's first row
+    cases = [
+        ("44 + 19 + 35", 1.0), ("(44 + 35) + 19", 1.0), (" 35--19+44 ", 1.0), ("((44)) + (19 + (35))", 1.0),
+        ("44 * 19 / 35", 0.1), ("44 - 19 - 35", 0.1),            # right numbers, wrong value
+        ("44 + 19 + 35.", 0.1), ("44 ** 19 + 35", 0.1), ("44 + 19 35", 0.1), ("44 // 19 + 35", 0.1),  # not ours
+        ("44 + 19 + 35 = 98", 0.0), ("44 + 19", 0.0), ("44 + 19 + 36", 0.0), ("44 + 19 + 35 + 0", 0.0), ("", 0.0),
+        ("__import__('os')", 0.0), ("9**9**9", 0.0), ("(" * 10_000 + "44 + 19 + 35" + ")" * 10_000, 0.0),
+        ("1" * 100_000, 0.0), ("x" * 100_000, 0.0), ("44 + 19 + 35" + " " * 100_000, 0.0),  # over-long: not read
+        ("__import__('os').system('rm 44 19 35')", 0.1),  # right numbers, never executed
+        ("(" * 40 + "44 + 19 + 35" + ")" * 40, 0.1), ("(" * 30 + "44 + 19 + 35" + ")" * 30, 1.0),  # depth bound 32
+        ("-" * 40 + "44 + 19 + 35", 0.1),
+    ]
+    for answer, want in cases:
+        assert CD.score(answer, nums, target) == want, answer[:50]
+    assert CD.score("9**9**9", [9, 9, 9], 5) == 0.1  # right numbers: parsed, refused, never computed
+    assert CD.score("5 / (3 - 3)", [3, 3, 5], 5) == 0.1 and CD.score("5 + 3 - 3", [3, 3, 5], 5) == 1.0
+    assert CD.score("(3 / 3 - 1) / (3 - 3)", [3, 3, 1, 3, 3], 0) == 0.1  # 0/0 too
+    assert CD.evaluate("1 / 3 * 3") == 1 and CD.evaluate("7 / 2") == Fraction(7, 2)  # exact, no floats
+
+
+def test_countdown_episode_protocol():
+    env = CD.CountdownEnv()
+    with pytest.raises(RuntimeError):
+        env.step("1")
+    obs = env.reset(123)
+    assert env.render() == obs and env.actions() is None
+    assert env.step(None) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
+    out = env.step("1 + 2")  # any string is the one answer (RAGEN: always valid) and ends the episode
+    assert out[1:] == (0.0, True, dict(action_is_valid=True, action_is_effective=False, success=False))
+    assert out[0] == env.render() == "Your answer get 0.0 points."
+    assert env.step(CD.solve(env.nums, env.target)) == (out[0], 0.0, True,
+                                                        dict(action_is_valid=False, action_is_effective=False, success=False))
+    p = CD.PRESETS["Countdown"]
+    assert p["instruction"].startswith("You are solving the Countdown puzzle. You should use the num list to create")
+    assert p["instruction"].endswith("So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - 3</answer>")
+    assert (p["max_actions_per_traj"], p["max_turns"], p["max_actions_per_turn"], p["max_tokens"]) == (1, 1, 1, 100)
+
+
+def random_tree(rng, depth):
+    """(text, exact value or None on a division by zero) of a random expression, built by the test itself."""
+    if depth == 0 or rng.random() < 0.3:
+        n = rng.randint(0, 120)
+        return (f"-{n}", Fraction(-n)) if rng.random() < 0.1 else (str(n), Fraction(n))
+    (ta, a), (tb, b) = random_tree(rng, depth - 1), random_tree(rng, depth - 1)
+    op = rng.choice("+-*/")
+    value = None if a is None or b is None or (op == "/" and b == 0) else \
+        {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
+    sp = rng.choice(["", " ", "  "])
+    return f"({ta}{sp}{op}{sp}({tb}))", value
+
+
+def test_countdown_evaluator_matches_tree_values():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text, value = random_tree(rng, rng.randint(0, 4))
+        if len(text) <= CD.MAX_ANSWER_CHARS:
+            assert CD.evaluate(text) == value, text
+    # precedence and associativity, hand-worked
+    for text, value in [("2 + 3 * 4", 14), ("2 * 3 + 4", 10), ("10 - 4 - 3", 3), ("48 / 4 / 2", 6), ("-3 * -2", 6),
+                        ("2 - (3 - 4)", 3), ("+-+5", -5), ("(1 + 2) * (3 + 4)", 21), ("6 / 4 * 2", 3)]:
+        assert CD.evaluate(text) == value, text
+    for text in ["", "()", "1 +", "* 2", "(1", "1)", "1 2", "1..2", "1e3", "0x10", "½", "٣ + 1", "1 ^ 2", "abs(1)"]:
+        assert CD.evaluate(text) is None, text
+
+
+def test_countdown_train_and_validation_never_share_a_task():
+    env = CD.CountdownEnv()
+    key = lambda seed: (env.reset(seed), (env.target, tuple(sorted(env.nums))))[1]
+    val = {key(s) for s in range(123, 123 + 1000)}                 # train.py --val-seed 123 and on
+    train = {key(s) for s in range(10_000, 10_000 + 2000)}         # train.py --seed 10000 and on
+    assert len(val) > 950 and len(train) > 1950 and not val & train
+    assert all(CD.is_val_task(t, list(n)) for t, n in val) and not any(CD.is_val_task(t, list(n)) for t, n in train)
+    other = CD.CountdownEnv()
+    for seed in (0, 123, 9_999, 10_000, 2**40):
+        assert other.reset(seed) == env.reset(seed)  # same seed, same task, from a fresh env
+
+
+def test_countdown_garbage_never_raises():
+    env, rng = CD.CountdownEnv(), random.Random(0)
+    garbage = ["", " ", "\n", "\x00", "1 || 2", "<answer>1</answer>", "\ud800", "🐉", "1" * 1_000_000, "(" * 300,
+               ")" * 300, "-" * 300, "1/" * 100 + "0", "((((((1", "9" * 250, "9" * 5000, "1e308 * 1e308"]
+    for _ in range(2000):  # random unicode mixed with digits and operators
+        garbage.append("".join(chr(rng.randrange(0x110000)) if rng.random() < 0.3 else rng.choice("0123456789+-*/() ")
+                               for _ in range(rng.randrange(40))))
+    for i, answer in enumerate(garbage):
+        env.reset(i % 7)
+        obs, reward, done, info = env.step(answer)
+        assert reward in (0.0, 0.1, 1.0) and done is True and info["action_is_valid"] is True
+        assert obs == f"Your answer get {reward} points." and info["success"] == (reward == 1.0)
+    for junk in (None, 3, b"1 + 2", ["1"]):
+        obs = env.reset(0)
+        assert env.step(junk) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
+
+
+def test_countdown_leaf_and_wiring():
+    code = "import sys, env_countdown; bad = {'torch', 'numpy', 'transformers'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+    assert ev.ENV_CLASSES["Countdown"][0] is CD.CountdownEnv and ev.preset_name("countdown") == "Countdown"
+    for name in NEW_PRESETS:
+        assert name in ev.ENV_CLASSES
+    src = open(os.path.join(HERE, "train.py")).read()  # train.py cannot be imported (it runs): it takes eval's table
+    assert "eval_py.ENV_CLASSES" in src and "eval_py.preset_name" in src and "ENV_CLASSES = {" not in src
+
+
 # ==================================================================================================
 # StarPO maths (starpo.py)
 # ==================================================================================================
-
 def close(a, b, tol=1e-5):
     return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
 
 
 # ------------------------------------------------------------------ slow references (plain Python lists)
-
 def slow_gae(rewards, values, mask, gamma, lam):
     """Per row: walk the masked positions backwards (RAGEN's valid_positions loop)."""
     B, T = len(rewards), len(rewards[0])
@@ -706,7 +926,6 @@ def random_episode_batch(B=4, T=24, seed=0, turn_rewards=True):
 
 
 # ------------------------------------------------------------------ GAE
-
 def test_gae_two_turns_with_observation_tokens_hand_computed():
     # tokens: prompt | a1 a2 | obs obs | a3 a4 | pad ; rewards on a2 (0.5) and a4 (1.0)
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.bool)
@@ -779,8 +998,7 @@ def test_masked_helpers():
         assert torch.isfinite(out).all()
 
 
-# ------------------------------------------------------------------ GRPO and reward normalisation
-
+# ------------------------------------------------------------------ group advantages and reward normalisation
 def test_grpo_advantages():
     s = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 0.3, -0.1, 0.7, 0.2])
     a = starpo.group_advantages(s, torch.arange(12) // 4)
@@ -838,8 +1056,62 @@ def test_normalize_scores_asym_clip_bounds_and_errors():
         starpo.normalize_scores(s, 4, "state", "zscore")
 
 
-# ------------------------------------------------------------------ StarPO-S filtering
+def slow_group_advantages(scores, ids, kind, eps=1e-6):
+    """veRL core_algos' id2score loops in plain Python."""
+    by = {}
+    for s, i in zip(scores, ids):
+        by.setdefault(i, []).append(s)
+    out = []
+    for s, i in zip(scores, ids):
+        xs, n = by[i], len(by[i])
+        mean, std = (sum(xs) / n, statistics.stdev(xs)) if n > 1 else (0.0, 1.0)
+        out.append((s - mean) / (std + eps) if kind == "grpo" else
+                   (s * n / (n - 1) - mean * n / (n - 1) if n > 1 else s) if kind == "rloo" else s - mean)
+    return out
 
+
+@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"])
+def test_group_advantages_match_verl_loops(kind):
+    # groups of 3, 2 (a tie), 1 (singleton) and 4 (constant), labelled out of order
+    scores = [1.0, 0.0, 0.0, 0.5, 0.5, 3.0, 2.0, 2.0, 2.0, 2.0, 0.7, -0.3]
+    ids = [5, 5, 5, 2, 2, 9, 7, 7, 7, 7, 1, 1]
+    got = starpo.group_advantages(torch.tensor(scores), torch.tensor(ids), kind)
+    assert close(got, slow_group_advantages(scores, ids, kind), 1e-5)
+    assert torch.equal(got[6:10], torch.zeros(4)) and torch.equal(got[3:5], torch.zeros(2))  # constant groups: 0
+    if kind == "rloo":  # the score minus the mean of the others: 1 - 0, 0 - 0.5
+        assert close(got[:3], [1.0, -0.5, -0.5])
+    assert starpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), kind).shape == (0,)
+
+
+def test_reinforce_pp_returns_carry_across_observations():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 0.0, 0.0]])  # [2, 5]
+    mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]])  # row 0: an observation token at 1, padding at 4
+    adv, ret = starpo.reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    # row 0 backwards: t3 1, t2 .5, t1 (mask 0) no step: 0 and .5 carried, t0 .25; row 1: .5 at t2, .25, .125
+    assert close(ret[0], [0.25, 0.0, 0.5, 1.0, 0.0]) and close(ret[1], [0.125, 0.25, 0.5, 0.0, 0.0])
+    on = [0.25, 0.5, 1.0, 0.125, 0.25, 0.5]  # the masked returns, whitened with an unbiased variance
+    mu, var = sum(on) / 6, sum((x - sum(on) / 6) ** 2 for x in on) / 5
+    want = [[(x - mu) / math.sqrt(var + 1e-8) * m for x, m in zip(r, mr)] for r, mr in zip(ret.tolist(), mask.tolist())]
+    assert close(adv, want, 1e-5)
+
+
+def test_constant_groups_have_exactly_zero_std():
+    # x - mean(x) is not 0 in fp32 for a constant group of 0.1 or -0.1 (the mean rounds), so a shifted formula
+    # is needed: RAGEN-2's torch.std gives exactly 0, and its include_zero=False drops such groups
+    for v in (-0.1, 0.9, 0.1, 1 / 3, -0.3, 1e6 + 0.1):
+        for n in (2, 3, 5, 8, 16):
+            x = torch.full((n,), v, dtype=torch.float32)
+            assert starpo._group_std(x).item() == 0.0, (v, n)
+            assert starpo._group_std(x.view(1, n).expand(3, n)).eq(0).all()
+    s = [-0.1] * 8 + [0.9] * 8 + [0.0, 1.0] * 4 + [0.1] * 8  # three constant groups, one spread
+    for strategy, mode in (("top_p", "softmax"), ("top_p", "linear"), ("top_k", "linear"), ("min_p", "linear")):
+        got = kept_groups(s, 8, 0.9 if strategy != "top_k" else 0.25, "std", strategy, include_zero=False,
+                          top_p_mode=mode)[0]
+        assert got == {2}, (strategy, mode, got)
+    assert kept_groups([0.1] * 4 + [0.9] * 4, 4, 0.5, "std", "top_k")[0] == {0}  # all zero: the lower index
+
+
+# ---------------------------------------------------------------- filtering (StarPO-S, RAGEN-2) and the batch adjust
 def test_filter_groups_keeps_top_std_with_deterministic_ties():
     # group stds (G=2): g0 0, g1 |1-0|/sqrt2, g2 0, g3 same as g1 (tie), g4 2/sqrt2 (largest)
     s = torch.tensor([1.0, 1.0, 1.0, 0.0, 3.0, 3.0, 0.0, 1.0, 2.0, 0.0])
@@ -874,8 +1146,111 @@ def test_filter_groups_paper_default_quarter():
     assert stds[kept].min() >= stds[~kept].max() and close(st["chosen_in_group_std"], stds[kept].mean())
 
 
-# ------------------------------------------------------------------ policy loss
+def slow_select(values, G, value, kind, strategy, include_zero=True, mode="linear", eps=0.01):
+    """RAGEN-2 rollout_filter._select_top_groups in plain Python (ties: lower group index): kept group indices."""
+    groups = [values[i:i + G] for i in range(0, len(values), G)]
+    s = [(statistics.stdev(g) if len(g) > 1 else 0.0) if kind.startswith("std") else sum(g) / len(g) for g in groups]
+    largest = not kind.endswith("_rev")
+    cand = [i for i in range(len(s)) if include_zero or abs(s[i]) > 1e-10]
+    order = sorted(cand, key=lambda i: (-s[i] if largest else s[i], i))
+    if strategy in ("top_k", "top_k_abs"):
+        return set(order[:max(1, int(value * len(s)) if strategy == "top_k" else int(value))])
+    if strategy == "top_p" and value >= 1:
+        return set(order)
+    if strategy == "top_p" and mode == "softmax":
+        z = [math.exp(s[i] if largest else -s[i]) for i in order]
+        for j in range(len(order)):
+            if sum(z[:j + 1]) / sum(z) >= value:
+                return set(order[:j + 1])
+        return set(order)
+    if strategy == "top_p":
+        target, total, n = value * sum(s[i] for i in cand) - eps, 0.0, 0
+        for i in order:
+            if total >= target or s[i] <= 0:
+                break
+            total, n = total + s[i], n + 1
+        return set(order[:n]) if total >= target else set()
+    if not cand:
+        return set()
+    if largest:
+        return {i for i in cand if s[i] >= value * max(s[j] for j in cand) - 1e-10}
+    return {i for i in cand if s[i] <= min(s[j] for j in cand) / (value + 1e-10) + 1e-10}
 
+
+def kept_groups(values, G, *a, **kw):
+    keep, st = starpo.filter_groups(torch.tensor(values), G, *a, **kw)
+    return set(keep.view(-1, G)[:, 0].nonzero().squeeze(1).tolist()), st
+
+
+def test_filter_strategies_hand_worked():
+    stat = [3.0, 1.0, 0.0, 2.0]  # groups of one, ranked by their mean: the statistic is the value itself
+    assert kept_groups(stat, 1, 0.5, "mean", "top_p")[0] == {0}        # target 0.5*6-0.01: 3 reaches it
+    assert kept_groups(stat, 1, 0.9, "mean", "top_p")[0] == {0, 3, 1}  # target 5.39: 3+2+1
+    assert kept_groups([0.0] * 4, 1, 0.9, "mean", "top_p")[0] == set()  # all zero: target -0.01 is met by nothing
+    assert kept_groups([-1.0, 2.0], 1, 0.5, "mean_rev", "top_p")[0] == set()  # smallest first is <= 0: stop, unmet
+    assert kept_groups(stat, 1, 1.0, "mean", "top_p")[0] == {0, 1, 2, 3}
+    # softmax: e^2 / (e^2 + 2) = 0.787 reaches 0.5 alone; 0.9 needs all three (0.787 + 0.106 = 0.894 < 0.9)
+    assert kept_groups([2.0, 0.0, 0.0], 1, 0.5, "mean", "top_p", top_p_mode="softmax")[0] == {0}
+    assert kept_groups([2.0, 0.0, 0.0], 1, 0.9, "mean", "top_p", top_p_mode="softmax")[0] == {0, 1, 2}
+    assert kept_groups([4.0, 2.0, 1.9, 0.0], 1, 0.5, "mean", "min_p")[0] == {0, 1}       # >= 0.5 * 4
+    assert kept_groups([1.0, 2.0, 3.0], 1, 0.5, "mean_rev", "min_p")[0] == {0, 1}        # <= 1 / 0.5
+    assert kept_groups([1.0, 2.0, 2.0, 0.0], 1, 2, "mean", "top_k_abs")[0] == {1, 2}
+    assert kept_groups([1.0, 2.0, 2.0, 0.0], 1, 1, "mean", "top_k_abs")[0] == {1}        # tie: lower index
+    # include_zero=False: zero-std groups go first; top_k still counts all 4 groups (int(0.5 * 4) = 2)
+    s = [1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # stds 0, 0, 0, 2.12
+    assert kept_groups(s, 2, 0.5, "std", "top_k", include_zero=False)[0] == {3}
+    assert kept_groups(s, 2, 0.5, "std", "top_k")[0] == {3, 0}
+    got, st = kept_groups(s[:6], 2, 0.5, "std", "top_k", include_zero=False)  # nothing left: empty, stats 0
+    assert got == set() and st["chosen_in_group_std"] == 0.0 and st["chosen_in_group_mean"] == 0.0
+    with pytest.raises(ValueError):
+        starpo.filter_groups(torch.tensor(s), 2, 0.5, "std", "top_q")
+
+
+def test_filter_strategies_match_plain_python():
+    rng = random.Random(11)
+    cases = 0
+    for G in (1, 2, 4):  # exact binary means and variances: float32 and float64 rank the groups the same
+        for num_groups in (1, 3, 6):
+            for _ in range(3):
+                values = [rng.choice([-1.0, 0.0, 0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(G * num_groups)]
+                for kind in ("std", "std_rev", "mean", "mean_rev"):
+                    for strategy, value, mode in (("top_k", 0.25, "linear"), ("top_k", 0.5, "linear"), ("top_k_abs", 2, "linear"),
+                                                  ("top_p", 0.5, "linear"), ("top_p", 0.9, "linear"), ("top_p", 0.9, "softmax"),
+                                                  ("top_p", 0.5, "softmax"), ("top_p", 1.0, "linear"), ("min_p", 0.3, "linear"),
+                                                  ("min_p", 0.7, "linear")):
+                        for include_zero in (True, False):
+                            want = slow_select(values, G, value, kind, strategy, include_zero, mode)
+                            got = kept_groups(values, G, value, kind, strategy, include_zero, mode)[0]
+                            assert got == want, (values, G, value, kind, strategy, include_zero, mode)
+                            cases += 1
+    assert cases == 3 * 3 * 3 * 4 * 10 * 2
+
+
+def test_std_collapsed_hand_worked():
+    base = [1.0, 0.5, 1.5] + [1.0] * 7  # mean 1: the threshold is 0.1
+    assert not starpo.std_collapsed(base + [0.05] * 9)           # only 9 later steps
+    assert starpo.std_collapsed(base + [0.05] * 10)
+    assert starpo.std_collapsed(base + [0.5] + [0.05] * 10)      # the last 10 count, not all the later ones
+    assert not starpo.std_collapsed(base + [0.05] * 9 + [0.1])   # 0.1 is not under 0.1
+    assert not starpo.std_collapsed([0.0] * 20)                  # a zero baseline never collapses
+
+
+def test_adjust_rows_copy_delete():
+    g = lambda: torch.Generator().manual_seed(3)
+    assert torch.equal(starpo.adjust_rows(8, 4, "copy", g()), torch.arange(8))  # already a multiple: no-op
+    c = starpo.adjust_rows(9, 4, "copy", g())
+    assert len(c) == 12 and torch.equal(c[:9], torch.arange(9)) and len(set(c[9:].tolist())) == 3  # no repeats
+    assert torch.equal(c, starpo.adjust_rows(9, 4, "copy", g()))  # the same draw from the same seed (every rank)
+    assert starpo.adjust_rows(1, 4, "copy", g()).tolist() == [0, 0, 0, 0]  # fewer rows than needed: with replacement
+    d = starpo.adjust_rows(9, 4, "delete", g())
+    assert len(d) == 8 and d.tolist() == sorted(d.tolist()) and set(d.tolist()) < set(range(9))
+    assert len(starpo.adjust_rows(3, 4, "delete", g())) == 0  # fewer rows than the multiple: nothing left
+    assert len(starpo.adjust_rows(0, 4, "copy", g())) == 0
+    with pytest.raises(ValueError):
+        starpo.adjust_rows(5, 4, "pad", g())
+
+
+# ------------------------------------------------------------------ policy loss, aggregation and the optimiser step
 def one_token(ratio, adv, **kw):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
     loss, metrics = starpo.policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), **kw)
@@ -941,8 +1316,8 @@ def test_loss_aggregations_and_empty_rows():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
     m = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)  # last row fully masked
     assert close(starpo.aggregate(x, m, "token-mean"), 10 / 4)
-    assert close(starpo.aggregate(x, m, "seq-mean-token-sum"), (6 + 4 + 0) / 3)
-    assert close(starpo.aggregate(x, m, "seq-mean-token-mean"), (2 + 4 + 0) / 3)
+    assert close(starpo.aggregate(x, m, "seq-mean-token-sum"), (6 + 4) / 2)  # over the rows with a loss token
+    assert close(starpo.aggregate(x, m, "seq-mean-token-mean"), (2 + 4) / 2)
     assert close(starpo.aggregate(x, m, "seq-mean-token-mean", seq_count=6), 1.0)
     with pytest.raises(ValueError):
         starpo.aggregate(x, m, "token-sum")
@@ -955,8 +1330,30 @@ def test_loss_aggregations_and_empty_rows():
             assert all(torch.isfinite(torch.as_tensor(v)) for v in metrics.values())
 
 
-# ------------------------------------------------------------------ value loss, KL, entropy
+def test_seq_mean_aggregation_counts_only_rows_with_a_loss_token():
+    x = torch.tensor([[1.0, 2.0, 0.0], [5.0, 5.0, 5.0], [3.0, 0.0, 0.0]])  # [3, 3]
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])  # row 1 has no loss token
+    # veRL agg_loss: the per-row token sums (3, 3) or token means (1.5, 3), averaged over the 2 rows that have one
+    assert starpo.aggregate(x, mask, "seq-mean-token-sum").item() == 3.0
+    assert starpo.aggregate(x, mask, "seq-mean-token-mean").item() == 2.25
+    assert starpo.aggregate(x, mask, "seq-mean-token-sum", seq_count=3).item() == 2.0  # a global count wins
+    assert starpo.aggregate(x, torch.zeros_like(mask), "seq-mean-token-sum").item() == 0.0  # never NaN
 
+
+def test_clip_and_step_skips_a_non_finite_gradient():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    (model(torch.ones(1, 3)).sum() * float("nan")).backward()
+    assert math.isnan(starpo.clip_and_step(model, opt, 1.0))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no step, weights finite
+    assert all(p.grad is None for p in model.parameters())  # the NaN gradient is dropped, not accumulated
+    model(torch.ones(1, 3)).sum().mul(100).backward()
+    gn = starpo.clip_and_step(model, opt, 1.0)
+    assert math.isfinite(gn) and gn > 1 and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# ------------------------------------------------------------------ value loss, KL, entropy
 def test_value_loss_clipping():
     v, old, ret = torch.tensor([[1.0, 0.0, 0.2]]), torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[2.0, 1.0, -1.0]])
     m = torch.ones(1, 3, dtype=torch.bool)
@@ -982,7 +1379,6 @@ def test_kl_penalty_kinds():
 
 
 # ------------------------------------------------------------------ token_logprobs on a tiny Llama
-
 @pytest.fixture(scope="module")
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -1062,10 +1458,97 @@ def test_all_masked_rows_give_zeros_not_nan():
     assert torch.isfinite(loss)
 
 
+# --------------------------------------------------------------- collapse diagnostics (RAGEN-2): prompt-reasoning MI
+def test_collapse_stats_hand_worked_three_prompts():
+    # 4 responses scored under 3 prompts; prompts 0 and 2 are the same text (class ids 0, 1, 0)
+    p = [[.5, .25, .25],  # own prompt 0: top column 0 -> right
+         [.2, .6, .2],    # own 1: top 1 -> right
+         [.4, .2, .3],    # own 2: top 0, which is identical to 2 -> right (wrong if identity is ignored)
+         [.3, .1, .2]]    # own 1: top 0, then 2 (both class 0) -> wrong @1 and @2, right @4 (all 3 columns)
+    own, lens = [0, 1, 2, 1], [2, 1, 3, 4]
+    L = torch.tensor(p).log()
+    L_sum = L * torch.tensor(lens, dtype=torch.float)[:, None]
+    s = starpo.collapse_stats(L, L_sum, own, [0, 1, 0])
+    # matched = .5, .6, .3, .1; mixture = row means 1/3, 1/3, .3, .2; ratios 1.5, 1.8, 1, .5
+    mi = (math.log(1.5) + math.log(1.8) + math.log(1.0) + math.log(0.5)) / 4
+    assert s["mi"] == pytest.approx(mi) and s["mi_upper_bound"] == pytest.approx(math.log(3))
+    assert s["cond_entropy"] == pytest.approx(-(math.log(.5) + math.log(.6) + math.log(.3) + math.log(.1)) / 4)
+    assert s["entropy"] == pytest.approx(-(2 * math.log(1 / 3) + math.log(.3) + math.log(.2)) / 4)
+    assert s["entropy"] - s["cond_entropy"] == pytest.approx(s["mi"])  # I(X; Z) = H(Z) - H(Z|X)
+    sd = statistics.pstdev([math.log(1 / 3), math.log(1 / 3), math.log(.3), math.log(.2)])
+    assert s["marginal_std"] == pytest.approx(sd) and s["mi_zscore"] == pytest.approx(mi / (sd + 1e-3))
+    seq = [l * math.log(row[o]) - math.log(sum(q ** l for q in row) / 3) for row, o, l in zip(p, own, lens)]
+    assert s["mi_seq"] == pytest.approx(sum(seq) / 4)
+    # retrieval: rows 0-2 right, row 3 wrong; chance = mean(2/3, 1/3, 2/3, 1/3) = 1/2
+    assert (s["retrieval_acc"], s["retrieval_acc@2"], s["retrieval_acc@4"], s["retrieval_acc@8"]) == (0.75, 0.75, 1.0, 1.0)
+    assert s["retrieval_chance"] == pytest.approx(0.5) and s["retrieval_chance@2"] == pytest.approx(1.0) == s["retrieval_chance@8"]
+    plain = starpo.collapse_stats(L, L_sum, own)  # all prompts taken as different
+    assert plain["retrieval_acc"] == 0.5 and plain["retrieval_chance"] == pytest.approx(1 / 3)
+    assert plain["retrieval_chance@2"] == pytest.approx(2 / 3) and plain["mi"] == pytest.approx(mi)
+
+
+def test_cross_logliks_equal_teacher_forcing_of_each_concatenation():
+    model, _ = rollout.build_tiny()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 1, 6, 4, 2)]
+    L, L_sum = starpo.cross_logliks(model, prompts, responses, temperature=0.7, batch=2)  # ragged, 3 batches
+    for j, x in enumerate(prompts):
+        for i, z in enumerate(responses):
+            logp = teacher_forced_logp(model, torch.tensor([x + z]), torch.ones(1, len(x + z)), 0.7)[0, len(x):]
+            assert L_sum[i, j].item() == pytest.approx(logp.sum().item(), abs=1e-4)
+            assert L[i, j].item() == pytest.approx(logp.mean().item(), abs=1e-4)
+
+
+def test_mi_is_zero_for_a_prompt_blind_model_and_near_log_n_for_a_copying_one():
+    """The tiny Llama with every attention and MLP output zeroed is a bigram model: the next token depends on
+    the current token only. With a large final-norm gain it copies the current token."""
+    model, tok = rollout.build_tiny()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(60.0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    # prompts that differ but end alike: the model cannot see the difference, so L has equal columns
+    blind = [enc(f"state {c}: <answer>") for c in "ABCD"]
+    responses = [enc(s) for s in ("Left", "Up", "Right || Down", "Down")]
+    L, L_sum = starpo.cross_logliks(model, blind, responses)
+    s = starpo.collapse_stats(L, L_sum, [0, 1, 2, 3])
+    assert abs(s["mi"]) < 1e-5 and abs(s["mi_seq"]) < 1e-4 and s["mi_upper_bound"] == pytest.approx(math.log(4))
+    assert s["cond_entropy"] == pytest.approx(s["entropy"], abs=1e-5)
+    # prompts that end in their state letter: the model answers with that letter, so z names its prompt
+    copy = [enc(f"state: {c}") for c in "ABCDEFGH"]
+    z = [[torch.argmax(model(input_ids=torch.tensor([x])).logits[0, -1]).item()] for x in copy]  # greedy answers
+    assert z == [x[-1:] for x in copy]
+    L, L_sum = starpo.cross_logliks(model, copy, z)
+    s = starpo.collapse_stats(L, L_sum, list(range(8)))
+    assert math.log(8) - 0.05 < s["mi"] <= math.log(8) + 1e-6 and s["retrieval_acc"] == 1.0
+    assert s["retrieval_chance"] == pytest.approx(1 / 8) and s["cond_entropy"] < 0.05
+
+
+def test_reasoning_span_cuts_prompt_and_span():
+    _, tok = rollout.build_tiny()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    x1 = enc("<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n<answer>")
+    obs = enc("\n<|im_start|>user\nReward:\n0.0\nAgain<|im_end|>\n<|im_start|>assistant\n<answer>")
+    for response, think, expected in [("Left</answer><|im_end|>", False, "Left"),
+                                      ("Left || Up</answer>", False, "Left || Up"),  # cut by its budget
+                                      ("Left || Ri<|im_end|>", False, "Left || Ri"),  # never closed: to the end
+                                      ("</answer><|im_end|>", False, ""),
+                                      ("go right</think><answer>Right</answer><|im_end|>", True, "go right")]:
+        r1, r2 = enc("Up</answer><|im_end|>"), enc(response)
+        tokens = x1 + r1 + obs + r2 + enc("\n")
+        mask = [0] * len(x1) + [1] * len(r1) + [0] * len(obs) + [1] * len(r2) + [0]
+        x, z = rollout.reasoning_span(tok, tokens, mask, len(x1) + len(r1) + len(obs) + len(r2) - 1, think)
+        assert x == x1 + r1 + obs and tok.decode(z) == expected  # x: the whole conversation before the turn
+        x, z = rollout.reasoning_span(tok, tokens, mask, len(x1) + len(r1) - 1, False)
+        assert x == x1 and tok.decode(z) == "Up"
+
+
 # ==================================================================================================
 # Models, sampler and agent loop (rollout.py)
 # ==================================================================================================
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     # the tiny model's ops are microseconds long; on a shared 2-core box OpenMP threads only fight (4x slower)
@@ -1410,286 +1893,176 @@ def test_rollout_rejects_bad_groups(tiny):
         rollout.rollout(model, tok, envs[:3], [0, 0, 0], CORRIDOR, group_size=2)
 
 
-# ------------------------------------------------------------------ the GPU path, run on the CPU (issue 10)
-class LongThenDoneEnv(CorridorEnv):
-    """Corridor whose state text is `width` long and which ends after its first step (idle row afterwards)."""
-    def __init__(self, width, ends):
-        self.width, self.ends = width, ends
-
-    def render(self):
-        return "_" * self.width
-
-    def step(self, action):
-        return self.render(), 0.0, self.ends, dict(action_is_valid=True, action_is_effective=True, success=False)
-
-
-def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
-    # defect 3: an idle row (finished episode) near max_context used to size the static cache and assert
-    model, tok = tiny
-    monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Right"], True))
-    outs = []
-    for static in (False, True):
-        envs = [LongThenDoneEnv(580, ends=True), LongThenDoneEnv(5, ends=False)]  # row 0: 847-token prompt
-        outs.append(rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=3, max_new_tokens=40,
-                                    max_context=900, greedy=True, think=False, sampler=rollout.Sampler(static=static)))
-    a, b = outs
-    assert a["stats"]["num_turns"].tolist() == [1, 3] and a["stats"]["response_tokens"][0] == 40  # row 0 idles at 886
-    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
-
-
-def test_one_static_pool_reused_and_replaced_never_duplicated(monkeypatch, tiny):
-    # defect 8: one pool, sized for the largest batch; smaller batches run in it, bigger ones replace it
-    model, tok = tiny
-    static = rollout.Sampler(static=True)
-    monkeypatch.setattr(rollout, "_POOL", {})
-    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three", "four"]]
-    big = rollout.generate(model, prompts, 8, greedy=True, sampler=static)
-    k0 = rollout._POOL["kv"][0][0]
-    small = rollout.generate(model, prompts[1:3], 8, greedy=True, sampler=static)  # fits: same tensors, idle extra rows
-    assert rollout._POOL["kv"][0][0] is k0 and small[0] == big[0][1:3]
-    rollout.generate(model, prompts * 2, 8, greedy=True, sampler=static)           # 8 rows: replaces the pool
-    assert len(rollout._POOL) == 1 and rollout._POOL["kv"][0][0].shape[0] == 8
-    eager = rollout.generate(model, prompts, 8, greedy=True)
-    assert eager[0] == big[0]
+# ------------------------------------------------------------ model families: refusals, self-check, Qwen3's template
+# Qwen/Qwen3-0.6B tokenizer_config.json's chat_template with the tool branches removed
+QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if ns.multi_step_tool and message.role == "user" %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}{%- set content = message.content %}
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+{%- elif message.role == "assistant" %}{%- set reasoning_content = '' %}
+{%- if '</think>' in content %}
+{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_query_index %}
+{%- if loop.last or (not loop.last and reasoning_content) %}
+{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"""
 
 
-def test_attention_mask_is_built_once_per_forward_in_the_compute_dtype(monkeypatch, tiny):
-    # every layer gets the same folded mask tensor (at 128 rows it is ~0.5 GB bool per copy), and it is additive in
-    # the query's dtype, so SDPA does not convert a bool mask again in every layer either
-    model, tok = tiny
-    masks, real = [], torch.nn.functional.scaled_dot_product_attention
-    def sdpa(q, k, v, attn_mask=None, **kw):
-        masks.append((attn_mask, q.dtype))
-        return real(q, k, v, attn_mask=attn_mask, **kw)
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
-    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
-    rollout.generate(model, prompts, 3, greedy=True)
-    per_forward = len(model.model.layers)
-    assert len(masks) >= 3 * per_forward and len(masks) % per_forward == 0  # prefill (maybe in parts) + 2 decode steps
-    for f in range(len(masks) // per_forward):
-        group = masks[f * per_forward:(f + 1) * per_forward]
-        assert all(m is group[0][0] and m.dtype == dt for m, dt in group)
+FAMILIES = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def test_folded_gqa_attention_equals_hf_at_qwen_head_ratio():
-    # defect 2: 14 query heads on 2 KV heads (Qwen2.5-0.5B's ratio) folded into the query-length axis
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=112, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)).eval()
-    prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 47))]
-    ours, lps = rollout.generate(model, prompts, 10, greedy=True)
-    assert ours == reference_generate(model, prompts, 10)
-    for p, o, lp in zip(prompts, ours, lps):
+def save_family(path, arch):
+    model, tok = rollout.build_tiny(arch)
+    if arch == "qwen3":
+        tok.chat_template = QWEN3_TEMPLATE
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_each_family_samples_like_hf(tmp_path, arch):
+    model, tok = rollout.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
+    assert type(model).__name__ == FAMILIES[arch]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
+    ours, _ = rollout.generate(model, prompts, 16, greedy=True)
+    ids, mask = padded(prompts, left=True)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                        eos_token_id=None)[:, ids.shape[1]:]
+    assert hf.tolist() == ours
+    toks, lps = rollout.generate(model, prompts, 12, temperature=0.7, seed=3)
+    for p, o, lp in zip(prompts, toks, lps):
         x = torch.tensor([p + o])
-        assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x))[0, len(p):], torch.tensor(lp), atol=1e-4)
+        assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x), 0.7)[0, len(p):], torch.tensor(lp), atol=1e-4)
 
 
-def allocations(code):
-    """(shape tuples) of every buffer that inductor's generated code allocates."""
-    import re
-    return [tuple(int(x) for x in s.split(",") if x.strip()) for s in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+def test_qwen3_template_what_the_model_sees(tmp_path):
+    model, tok = rollout.load_model(save_family(tmp_path / "q3", "qwen3"))
+    head, gen, close, user_head = rollout.chat_pieces(tok)
+    assert gen == "<|im_end|>\n<|im_start|>assistant\n" and close == "<|im_end|>\n"  # no empty think block
+    answer = "<think>go right</think><answer>Right</answer>"
+    msgs = [{"role": "system", "content": rollout.SYSTEM}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": answer}, {"role": "user", "content": "u2"}]
+    ours = head + "u1" + gen + answer + close + user_head + "u2" + gen
+    # Qwen3's own rendering drops the think block of earlier turns; the token stream keeps what was sampled
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == ours.replace("<think>go right</think>", "")
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(2)]
+    out = rollout.rollout(model, tok, envs, [3, 3], preset, group_size=2, max_turns=2, max_new_tokens=12, sample_seed=0)
+    check_consistent(out, tok, 2)
 
 
-def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_in_place(monkeypatch, tiny):
-    # defects 1, 4, 5: the CUDA path (static pool, compiled decode step with the sampler inside, a host check of
-    # "all done" every 8 tokens) run with inductor on the CPU: the same tokens as the eager path, the KV pool
-    # mutated in place (same storage, no cache-sized buffer anywhere in the generated code)
-    from torch._inductor.utils import run_and_get_code
+@pytest.mark.parametrize("model_type,kw,message", [
+    ("gemma2", {}, "Gemma2ForCausalLM: the sampler does not implement logit soft-capping"),
+    ("mixtral", {}, "MixtralForCausalLM: the sampler does not implement MoE routing"),
+    ("qwen2", dict(use_sliding_window=True), "Qwen2ForCausalLM: the sampler does not implement sliding-window attention"),
+    ("mistral", dict(sliding_window=4096), "sliding-window attention"),
+    ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope type 'dynamic'"),
+    ("smollm3", {}, "SmolLM3ForCausalLM: the sampler does not implement model type 'smollm3'"),
+])
+def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message):
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=64, **kw)
+    cfg.architectures = [{"gemma2": "Gemma2", "mixtral": "Mixtral", "qwen2": "Qwen2", "mistral": "Mistral",
+                          "llama": "Llama", "smollm3": "SmolLM3"}[model_type] + "ForCausalLM"]
+    cfg.save_pretrained(tmp_path)  # no weights: refused from config.json before any is read
+    with pytest.raises(ValueError, match=message) as e:
+        rollout.load_model(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeypatch):
+    """A sampler without Qwen3's q_norm / k_norm samples other tokens than HF: refused at load time."""
+    real = rollout.forward_cached
+
+    def skipping(model, *a):
+        attns = [layer.self_attn for layer in model.model.layers]
+        saved = [(x.q_norm, x.k_norm) for x in attns]
+        for x in attns:
+            x.q_norm = x.k_norm = torch.nn.Identity()
+        try:
+            return real(model, *a)
+        finally:
+            for x, (q, k) in zip(attns, saved):
+                x.q_norm, x.k_norm = q, k
+
+    path = save_family(tmp_path / "q3", "qwen3")
+    monkeypatch.setattr(rollout, "forward_cached", skipping)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
+        rollout.load_model(path)
+
+
+def test_smollm2_passes_the_self_check():
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "starpo", "smollm2")
+    if not os.path.isdir(cache):
+        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; rollout.load_model('smollm2')\")")
+    model, tok = rollout.load_model("smollm2")  # raises if the sampler's logits differ from HF's
+    assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
+
+
+# ------------------------------------------------------------------ context windows (RAGEN-2)
+def windowed_rollout(model, tok, **kw):
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(4)]
+    return rollout.rollout(model, tok, envs, [3, 3, 8, 8], preset, group_size=2, max_turns=3, max_new_tokens=16,
+                           sample_seed=0, **kw)
+
+
+def test_limited_multi_turn_rows_are_the_full_rollouts_prefixes(tiny):
     model, tok = tiny
-    preset = FROZENLAKE_PRESETS["FrozenLake"]
-    run = lambda sampler=None: rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [5, 5, 6, 6],
-                                               preset, group_size=2, max_turns=2, max_new_tokens=12, max_context=1200,
-                                               think=False, sample_seed=4, sampler=sampler)
-    eager = run()
-    assert eager["stats"]["num_turns"].tolist() == [2] * 4
-    monkeypatch.setattr(rollout, "_POOL", {})
-    monkeypatch.setattr(rollout, "_COMPILED", {})
-    compiled = rollout.Sampler(static=True, compile="inductor", check_every=8)
-    fast, codes = run_and_get_code(run, compiled)
-    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
-    k = rollout._POOL["kv"][0][0]
-    layer_cache = k.numel()
-    assert codes and all(math.prod(s) < layer_cache for c in codes for s in allocations(c))
-    ptrs = [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]]
-    again = run(compiled)
-    assert [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]] == ptrs
-    assert torch.equal(again["tokens"], eager["tokens"])
+    full, lmt = windowed_rollout(model, tok), windowed_rollout(model, tok, window_mode="limited_multi_turn")
+    assert full["episode"].tolist() == [0, 1, 2, 3] and lmt["episode"].tolist() == [0, 1, 2, 3] * 3  # turn by turn
+    for r, b in enumerate(lmt["episode"].tolist()):
+        L, turn = int(lmt["attention_mask"][r].sum()), r // 4
+        assert torch.equal(lmt["tokens"][r, :L], full["tokens"][b, :L])  # the same tokens, cut after this turn
+        spans = [(i, j) for i, j in zip([0] + full["turn_ends"][b], full["turn_ends"][b])]
+        # the loss covers this turn's answer only: the full rollout's mask between the previous and this turn end
+        want = full["loss_mask"][b, :L].clone()
+        want[:spans[turn][0] + (turn > 0)] = False
+        assert torch.equal(lmt["loss_mask"][r, :L], want) and lmt["turn_ends"][r] == [full["turn_ends"][b][turn]]
+    assert lmt["scores"].tolist() == full["scores"].tolist() and lmt["stats"]["context_rebuilds"].sum() == 0
 
 
-def test_memory_plan_matches_what_the_cpu_measures():
-    # memplan.plan_memory's parts against the same quantities measured on small Qwen2-shaped models: bytes autograd
-    # holds for backward (fp32 and bf16 autocast, with and without checkpointing), weights / grads / AdamW states
-    # after a real step, and the static KV pool the sampler allocates. Within 15%.
-    import memplan
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    for d, I, H, KV, L, V, micro, seq, bf16, ckpt in [(96, 256, 6, 2, 3, 500, 2, 100, False, False),
-                                                      (128, 344, 8, 4, 4, 1000, 3, 80, True, False),
-                                                      (128, 344, 8, 2, 4, 800, 2, 120, False, True),
-                                                      (96, 256, 6, 3, 3, 500, 2, 100, True, True)]:
-        cfg = Qwen2Config(vocab_size=V, hidden_size=d, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
-                          num_key_value_heads=KV, tie_word_embeddings=True)
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            model = Qwen2ForCausalLM(cfg).train()
-        if ckpt:
-            model.gradient_checkpointing_enable()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        held, seen = [0], set(params)
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                held[0] += t.untyped_storage().nbytes()
-            return t
-        tokens = torch.randint(0, V, (micro, seq))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            logp, ent = starpo.token_logprobs(model, tokens, torch.ones_like(tokens, dtype=torch.bool), with_entropy=True)
-        (logp.sum() + ent.sum()).backward()
-        plan = memplan.plan_memory(cfg, world=1, rows=4, micro=micro, seq=seq, critic=False, bf16=bf16, ckpt=ckpt)
-        want = plan["activations"] + (plan["weight_casts"] if bf16 else 0)
-        assert held[0] == pytest.approx(want, rel=0.15), (d, bf16, ckpt, held[0], want)
-        opt = torch.optim.AdamW(model.parameters())
-        opt.step()
-        measured = dict(weights=sum(p.numel() * 4 for p in model.parameters()),
-                        grads=sum(p.grad.numel() * 4 for p in model.parameters()),
-                        adamw=sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim()))
-        for k, v in measured.items():
-            assert plan[k] == pytest.approx(v, rel=0.15), k
-
-
-def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny):
-    import memplan
+@pytest.mark.parametrize("mode", ["full", "limited_multi_turn", "single_turn"])
+def test_context_window_rebuilds_the_kv_row(tiny, mode):
     model, tok = tiny
-    monkeypatch.setattr(rollout, "_POOL", {})
-    preset = FROZENLAKE_PRESETS["FrozenLake"]
-    rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2], preset, group_size=2,
-                    max_turns=1, max_new_tokens=4, max_context=1000, sampler=rollout.Sampler(static=True))
-    pool = sum(x.numel() * x.element_size() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1])
-    assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
+    a = windowed_rollout(model, tok, window_mode=mode, window=1)
+    b = windowed_rollout(model, tok, window_mode=mode, window=1, kv_reuse=False)  # a fresh prefill every turn
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-4)
+    m = a["loss_mask"]
+    assert torch.allclose(teacher_forced_logp(model, a["tokens"], a["attention_mask"])[m], a["old_logp"][m], atol=1e-4)
+    assert a["stats"]["context_rebuilds"].tolist() == [2.0] * 4  # turns 2 and 3 drop the turn before
+    full = windowed_rollout(model, tok)
+    assert (a["stats"]["prefill_tokens"] > full["stats"]["prefill_tokens"]).all()
+    text = tok.decode(a["tokens"][-1][a["attention_mask"][-1]])  # the last row: turn 3 of its episode, alone
+    assert "\nTurn 3:\n" in text and "\nTurn 2:\n" not in text and "\nTurn 1:\n" not in text and "Summary:" not in text
+    assert len(a["episode"]) == (4 if mode == "full" else 12)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_decode_runs_on_the_memory_efficient_sdpa_kernel():
-    # defect 2 on the hardware: with only the efficient kernel allowed, a fallback to math would raise
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    model = bench_model_qwen_shape(layers=2).cuda().to(torch.bfloat16)
-    prompts = [list(range(5, 5 + n)) for n in (7, 30, 64)]
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        toks, _ = rollout.generate(model, prompts, 16, greedy=True)
-    assert all(len(t) == 16 for t in toks)
-
-
-def bench_model_qwen_shape(layers):
-    import bench
-    return bench.qwen25_05b_random("cpu", torch.float32, layers=layers)
-
-
-# ==================================================================================================
-# CUDA graphs emulated on the CPU (bench.GraphReplayBackend, bench.RecordingBackend)
-# ==================================================================================================
-
-def emulated_rollout(model, tok, sampler=None, seeds=(5, 5, 6, 6), **kw):
-    preset = FROZENLAKE_PRESETS["FrozenLake"]
-    return rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset,
-                           group_size=2, **dict(dict(max_turns=2, max_new_tokens=12, max_context=1200, think=False,
-                                                     sample_seed=4, sampler=sampler), **kw))
-
-
-def test_compiled_sampler_never_reads_an_output_after_the_next_compiled_call(monkeypatch, tiny):
-    # a CUDA-graph replay reuses its output buffers (graph trees free them as the next compiled call starts): under
-    # the emulation every compiled path (sample_next after the prefill, decode_step) must give the eager tokens
-    import bench
+def test_single_turn_retells_the_window_as_text(tiny):
     model, tok = tiny
-    torch._dynamo.reset()
-    monkeypatch.setattr(rollout, "_POOL", {})
-    monkeypatch.setattr(rollout, "_COMPILED", {})
-    eager = emulated_rollout(model, tok)
-    replay = bench.GraphReplayBackend()
-    fast = emulated_rollout(model, tok, rollout.Sampler(static=True, compile=replay, check_every=8))
-    assert replay.graphs >= 2 and replay.calls > 20  # both functions compiled, every token through them
-    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
-    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
-    (a, la), (b, lb) = [rollout.generate(model, prompts, 10, temperature=0.7, top_p=0.9, seed=2, sampler=s)
-                        for s in (rollout.Sampler(static=True, compile=replay, check_every=4), None)]
-    assert a == b and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(la, lb))
-
-
-def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_buckets(monkeypatch, tiny):
-    # inductor drops CUDA graphs for a graph with a CPU input, and dynamo makes a float64 CPU tensor of a Python
-    # float whose value changes (the temperature: validation 0.5, training 1.0). Several steps of validation +
-    # training, several turns each: every graph is free of such inputs, sample_next compiles once, and decode_step
-    # at most twice (dynamo makes the key length symbolic on its second bucket)
-    import bench
-    model, tok = tiny
-    torch._dynamo.reset()
-    monkeypatch.setattr(rollout, "_POOL", {})
-    monkeypatch.setattr(rollout, "_COMPILED", {})
-    rec = bench.RecordingBackend(bench.GraphReplayBackend())
-    sampler = rollout.Sampler(static=True, compile=rec, check_every=8)
-    for step in range(3):
-        for temperature in (0.5, 1.0):  # validation, then training
-            out = emulated_rollout(model, tok, sampler, seeds=(step, step, step + 1, step + 1), max_turns=3,
-                                   temperature=temperature, top_p=0.95)
-    assert out["tokens"].shape[1] > 2 * 128  # the key length crossed buckets
-    assert [g["cpu_scalars"] for g in rec.graphs if g["cpu_scalars"]] == []
-    sample = [g for g in rec.graphs if any("logits" in n for n in g["inputs"])]
-    assert len(sample) == 1 and len(rec.graphs) - len(sample) <= 2, [g["inputs"] for g in rec.graphs]
-
-
-def test_gpu_check_runs_on_the_cpu_with_the_emulations():
-    # bench.py --gpu-check off a GPU: the same five checks, CUDA graphs emulated, the tiny model; exit 0 = all PASS
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check"], capture_output=True, text=True,
-                       cwd=HERE, env=dict(train_env(), CUDA_VISIBLE_DEVICES=""), timeout=600)
-    lines = [l for l in r.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
-    assert r.returncode == 0 and len(lines) == 5 and all(l.startswith("PASS") for l in lines), r.stdout + r.stderr[-3000:]
-
-
-# ==================================================================================================
-# Log-probs from fp32 logits (rollout.forward_cached, starpo.token_logprobs)
-# ==================================================================================================
-
-def large_logit_model():
-    """The tiny model with its final norm scaled so that the top logits lie in [16, 32), where bf16's spacing is
-    0.125: a bf16 logit is off by up to 0.0625, and so is every log-prob taken from it."""
-    model, tok = rollout.build_tiny()
-    with torch.no_grad():
-        model.model.norm.weight.mul_(20.0)
-    return model, tok
-
-
-def test_sampler_logits_are_fp32_for_a_bf16_model():
-    model, tok = large_logit_model()
-    model = model.to(torch.bfloat16)
-    seen = []
-    model.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
-    ids = torch.tensor([tok.encode("hello world, a prompt", add_special_tokens=False)])  # [1, T]
-    cache = rollout.KVCache(model, 1, ids.shape[1] + 1)
-    with torch.no_grad():
-        ours = rollout.forward_cached(model, cache.k, cache.v, cache.lens, ids, torch.tensor([ids.shape[1]]), ids.shape[1])
-    want = seen[-1].float() @ model.lm_head.weight.float().T  # [1, V] the bf16 model's hidden state, fp32 product
-    assert ours.dtype == torch.float32 and want.abs().max() >= 16
-    rounded = (want.to(torch.bfloat16).float() - want).abs().max()  # what a bf16 logit loses here
-    assert rounded > 0.01 and (ours - want).abs().max() < 1e-4, ((ours - want).abs().max(), rounded)
-
-
-def test_token_logprobs_under_bf16_autocast_come_from_fp32_logits():
-    model, tok = large_logit_model()
-    tokens = torch.tensor([tok.encode("a longer sentence for the log-probs", add_special_tokens=False)])  # [1, T]
-    am = torch.ones_like(tokens, dtype=torch.bool)
-    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-        lp, _ = starpo.token_logprobs(model, tokens, am)
-        hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states[-1][0, :-1]  # [T-1, d]
-    logits = hidden.float() @ model.lm_head.weight.float().T  # [T-1, V] fp32
-    want = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
-    assert logits.abs().max() >= 16
-    bf16 = torch.log_softmax(logits.to(torch.bfloat16).float(), -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
-    assert (bf16 - want).abs().max() > 0.01 and (lp[0, 1:] - want).abs().max() < 1e-4, (lp[0, 1:] - want).abs().max()
+    out = windowed_rollout(model, tok, window_mode="single_turn", window=2)
+    last = tok.decode(out["tokens"][-1][out["attention_mask"][-1]])  # turn 3 shows turn 2 retold, then turn 3
+    assert last.count("<|im_start|>user") == 1 and "Showing the last 1 turn(s)" in last and "Summary: 2 step(s)" in last
+    r = out["responses"][3][1]
+    assert f"Turn 2 Reward: {r['reward'] + (-0.1 if r['penalized'] else 0.0)}\n" in last and "Turn 1 State" not in last
+    assert out["stats"]["context_rebuilds"].tolist() == [2.0] * 4
 
 
 # ------------------------------------------------------------------ prefix-shared prefill
-
 def test_shared_prefixes_tree_and_saved_tokens():
     # rows 0-2 share [1, 2, 3]; rows 0 and 1 share a 4th token; row 3 stops after its shared token; row 4 idles;
     # row 5 shares nothing. Every row keeps its last token to itself.
@@ -1757,11 +2130,968 @@ def test_prefix_shared_trunk_passes_are_exact(tiny):
         assert (a - b).abs().max() <= 1e-5 * max(1.0, a.abs().max()), (a - b).abs().max()
 
 
+# --------------------------------------------------- static KV pool, compiled decode step (the CUDA path on the CPU)
+class LongThenDoneEnv(CorridorEnv):
+    """Corridor whose state text is `width` long and which ends after its first step (idle row afterwards)."""
+    def __init__(self, width, ends):
+        self.width, self.ends = width, ends
+
+    def render(self):
+        return "_" * self.width
+
+    def step(self, action):
+        return self.render(), 0.0, self.ends, dict(action_is_valid=True, action_is_effective=True, success=False)
+
+
+def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
+    # an idle row (finished episode) near max_context must not size the static cache (nor trip its assert)
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Right"], True))
+    outs = []
+    for static in (False, True):
+        envs = [LongThenDoneEnv(580, ends=True), LongThenDoneEnv(5, ends=False)]  # row 0: 847-token prompt
+        outs.append(rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=3, max_new_tokens=40,
+                                    max_context=900, greedy=True, think=False, sampler=rollout.Sampler(static=static)))
+    a, b = outs
+    assert a["stats"]["num_turns"].tolist() == [1, 3] and a["stats"]["response_tokens"][0] == 40  # row 0 idles at 886
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
+
+
+def test_one_static_pool_reused_and_replaced_never_duplicated(monkeypatch, tiny):
+    # one pool, sized for the largest batch; smaller batches run in it, bigger ones replace it
+    model, tok = tiny
+    static = rollout.Sampler(static=True)
+    monkeypatch.setattr(rollout, "_POOL", {})
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three", "four"]]
+    big = rollout.generate(model, prompts, 8, greedy=True, sampler=static)
+    k0 = rollout._POOL["kv"][0][0]
+    small = rollout.generate(model, prompts[1:3], 8, greedy=True, sampler=static)  # fits: same tensors, idle extra rows
+    assert rollout._POOL["kv"][0][0] is k0 and small[0] == big[0][1:3]
+    rollout.generate(model, prompts * 2, 8, greedy=True, sampler=static)           # 8 rows: replaces the pool
+    assert len(rollout._POOL) == 1 and rollout._POOL["kv"][0][0].shape[0] == 8
+    eager = rollout.generate(model, prompts, 8, greedy=True)
+    assert eager[0] == big[0]
+
+
+def test_attention_mask_is_built_once_per_forward_in_the_compute_dtype(monkeypatch, tiny):
+    # every layer gets the same folded mask tensor (at 128 rows it is ~0.5 GB bool per copy), and it is additive in
+    # the query's dtype, so SDPA does not convert a bool mask again in every layer either
+    model, tok = tiny
+    masks, real = [], torch.nn.functional.scaled_dot_product_attention
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        masks.append((attn_mask, q.dtype))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
+    rollout.generate(model, prompts, 3, greedy=True)
+    per_forward = len(model.model.layers)
+    assert len(masks) >= 3 * per_forward and len(masks) % per_forward == 0  # prefill (maybe in parts) + 2 decode steps
+    for f in range(len(masks) // per_forward):
+        group = masks[f * per_forward:(f + 1) * per_forward]
+        assert all(m is group[0][0] and m.dtype == dt for m, dt in group)
+
+
+def test_folded_gqa_attention_equals_hf_at_qwen_head_ratio():
+    # 14 query heads on 2 KV heads (Qwen2.5-0.5B's ratio) folded into the query-length axis
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=112, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 47))]
+    ours, lps = rollout.generate(model, prompts, 10, greedy=True)
+    assert ours == reference_generate(model, prompts, 10)
+    for p, o, lp in zip(prompts, ours, lps):
+        x = torch.tensor([p + o])
+        assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x))[0, len(p):], torch.tensor(lp), atol=1e-4)
+
+
+def allocations(code):
+    """(shape tuples) of every buffer that inductor's generated code allocates."""
+    import re
+    return [tuple(int(x) for x in s.split(",") if x.strip()) for s in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+
+
+def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_in_place(monkeypatch, tiny):
+    # the CUDA path (static pool, compiled decode step with the sampler inside, a host check of
+    # "all done" every 8 tokens) run with inductor on the CPU: the same tokens as the eager path, the KV pool
+    # mutated in place (same storage, no cache-sized buffer anywhere in the generated code)
+    from torch._inductor.utils import run_and_get_code
+    model, tok = tiny
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    run = lambda sampler=None: rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [5, 5, 6, 6],
+                                               preset, group_size=2, max_turns=2, max_new_tokens=12, max_context=1200,
+                                               think=False, sample_seed=4, sampler=sampler)
+    eager = run()
+    assert eager["stats"]["num_turns"].tolist() == [2] * 4
+    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(rollout, "_COMPILED", {})
+    compiled = rollout.Sampler(static=True, compile="inductor", check_every=8)
+    fast, codes = run_and_get_code(run, compiled)
+    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
+    k = rollout._POOL["kv"][0][0]
+    layer_cache = k.numel()
+    assert codes and all(math.prod(s) < layer_cache for c in codes for s in allocations(c))
+    ptrs = [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]]
+    again = run(compiled)
+    assert [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]] == ptrs
+    assert torch.equal(again["tokens"], eager["tokens"])
+
+
+def bench_model_qwen_shape(layers):
+    import bench
+    return bench.qwen25_05b_random("cpu", torch.float32, layers=layers)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_decode_runs_on_the_memory_efficient_sdpa_kernel():
+    # the folded GQA attention on the hardware: with only the efficient kernel allowed, a fallback to math would raise
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = bench_model_qwen_shape(layers=2).cuda().to(torch.bfloat16)
+    prompts = [list(range(5, 5 + n)) for n in (7, 30, 64)]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        toks, _ = rollout.generate(model, prompts, 16, greedy=True)
+    assert all(len(t) == 16 for t in toks)
+
+
+# ------------------------------------------------------------- CUDA graphs emulated on the CPU (bench.py's backends)
+def emulated_rollout(model, tok, sampler=None, seeds=(5, 5, 6, 6), **kw):
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    return rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset,
+                           group_size=2, **dict(dict(max_turns=2, max_new_tokens=12, max_context=1200, think=False,
+                                                     sample_seed=4, sampler=sampler), **kw))
+
+
+def test_compiled_sampler_never_reads_an_output_after_the_next_compiled_call(monkeypatch, tiny):
+    # a CUDA-graph replay reuses its output buffers (graph trees free them as the next compiled call starts): under
+    # the emulation every compiled path (sample_next after the prefill, decode_step) must give the eager tokens
+    import bench
+    model, tok = tiny
+    torch._dynamo.reset()
+    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(rollout, "_COMPILED", {})
+    eager = emulated_rollout(model, tok)
+    replay = bench.GraphReplayBackend()
+    fast = emulated_rollout(model, tok, rollout.Sampler(static=True, compile=replay, check_every=8))
+    assert replay.graphs >= 2 and replay.calls > 20  # both functions compiled, every token through them
+    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
+    (a, la), (b, lb) = [rollout.generate(model, prompts, 10, temperature=0.7, top_p=0.9, seed=2, sampler=s)
+                        for s in (rollout.Sampler(static=True, compile=replay, check_every=4), None)]
+    assert a == b and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(la, lb))
+
+
+def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_buckets(monkeypatch, tiny):
+    # inductor drops CUDA graphs for a graph with a CPU input, and dynamo makes a float64 CPU tensor of a Python
+    # float whose value changes (the temperature: validation 0.5, training 1.0). Several steps of validation +
+    # training, several turns each: every graph is free of such inputs, sample_next compiles once, and decode_step
+    # at most twice (dynamo makes the key length symbolic on its second bucket)
+    import bench
+    model, tok = tiny
+    torch._dynamo.reset()
+    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(rollout, "_COMPILED", {})
+    rec = bench.RecordingBackend(bench.GraphReplayBackend())
+    sampler = rollout.Sampler(static=True, compile=rec, check_every=8)
+    for step in range(3):
+        for temperature in (0.5, 1.0):  # validation, then training
+            out = emulated_rollout(model, tok, sampler, seeds=(step, step, step + 1, step + 1), max_turns=3,
+                                   temperature=temperature, top_p=0.95)
+    assert out["tokens"].shape[1] > 2 * 128  # the key length crossed buckets
+    assert [g["cpu_scalars"] for g in rec.graphs if g["cpu_scalars"]] == []
+    sample = [g for g in rec.graphs if any("logits" in n for n in g["inputs"])]
+    assert len(sample) == 1 and len(rec.graphs) - len(sample) <= 2, [g["inputs"] for g in rec.graphs]
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu_with_the_emulations():
+    # bench.py --gpu-check off a GPU: the same five checks, CUDA graphs emulated, the tiny model; exit 0 = no FAIL.
+    # Peak memory and the bandwidth floor have nothing to hold a CPU to: those two lines only report (INFO)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check"], capture_output=True, text=True,
+                       cwd=HERE, env=dict(train_env(), CUDA_VISIBLE_DEVICES=""), timeout=600)
+    lines = [l.split()[0] for l in r.stdout.splitlines() if l.startswith(("PASS", "FAIL", "INFO"))]
+    assert r.returncode == 0 and lines == ["PASS", "PASS", "PASS", "INFO", "INFO"], r.stdout + r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ log-probs from fp32 logits
+def large_logit_model():
+    """The tiny model with its final norm scaled so that the top logits lie in [16, 32), where bf16's spacing is
+    0.125: a bf16 logit is off by up to 0.0625, and so is every log-prob taken from it."""
+    model, tok = rollout.build_tiny()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(20.0)
+    return model, tok
+
+
+def test_sampler_logits_are_fp32_for_a_bf16_model():
+    model, tok = large_logit_model()
+    model = model.to(torch.bfloat16)
+    seen = []
+    model.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    ids = torch.tensor([tok.encode("hello world, a prompt", add_special_tokens=False)])  # [1, T]
+    cache = rollout.KVCache(model, 1, ids.shape[1] + 1)
+    with torch.no_grad():
+        ours = rollout.forward_cached(model, cache.k, cache.v, cache.lens, ids, torch.tensor([ids.shape[1]]), ids.shape[1])
+    want = seen[-1].float() @ model.lm_head.weight.float().T  # [1, V] the bf16 model's hidden state, fp32 product
+    assert ours.dtype == torch.float32 and want.abs().max() >= 16
+    rounded = (want.to(torch.bfloat16).float() - want).abs().max()  # what a bf16 logit loses here
+    assert rounded > 0.01 and (ours - want).abs().max() < 1e-4, ((ours - want).abs().max(), rounded)
+
+
+def test_token_logprobs_under_bf16_autocast_come_from_fp32_logits():
+    model, tok = large_logit_model()
+    tokens = torch.tensor([tok.encode("a longer sentence for the log-probs", add_special_tokens=False)])  # [1, T]
+    am = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        lp, _ = starpo.token_logprobs(model, tokens, am)
+        hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states[-1][0, :-1]  # [T-1, d]
+    logits = hidden.float() @ model.lm_head.weight.float().T  # [T-1, V] fp32
+    want = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
+    assert logits.abs().max() >= 16
+    bf16 = torch.log_softmax(logits.to(torch.bfloat16).float(), -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
+    assert (bf16 - want).abs().max() > 0.01 and (lp[0, 1:] - want).abs().max() < 1e-4, (lp[0, 1:] - want).abs().max()
+
+
+# ==================================================================================================
+# Training (train.py end to end, in subprocesses, torchrun included)
+# ==================================================================================================
+TINY = ["--device", "cpu", "--model", "tiny", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
+        "--micro-batch-size", "2", "--max-new-tokens", "12", "--max-turns", "2", "--val-groups", "2", "--val-every", "2",
+        "--log-trajectories-every", "1"]
+
+
+def train_env():
+    """The test's environment minus torch.distributed variables a launcher may have set (a plain run would
+    think it is a rank); --standalone torchrun picks its own free port."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                         "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_train(*flags, torchrun=0, check=True, env=None):
+    """train.py (on torchrun ranks) on the CPU unless the flags name a device: on a GPU machine a plain run would
+    take CUDA (bf16, compiled sampler) and a 2-rank run would ask for cuda:1; the suite's tolerances are CPU ones."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
+    flags = flags if "--device" in flags else ("--device", "cpu", *flags)
+    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE,
+                       env=dict(train_env(), **(env or {})), timeout=600)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def read_metrics(out):
+    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def comparable(m):
+    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+# -------------------------------------------------------------- two steps of every env, algorithm, filter and window
+NEW_PRESETS = ["Countdown", "CoordSokoban", "CoordFrozenLake", "CoordFrozenLakeDet"]
+
+
+# Two steps of each env and algorithm, the RAGEN-2 presets, and the RAGEN-2 algorithms, filters and context windows
+# (flags after TINY "--steps 2"). Collapse diagnostics stay at their default (step 0, then every 5 steps): whether a
+# case logs them says whether its rows hold whole episodes.
+TWO_STEP_RUNS = {
+    **{f"{env}-{algo}": ["--env", env, "--algo", algo] for algo in ("ppo", "grpo") for env in ("bandit", "sokoban", "frozenlake", "webshop")},
+    **{env: ["--env", env, "--algo", "grpo", "--val-every", "0"] for env in NEW_PRESETS},
+    "drgrpo-mixed-limited_multi_turn": [
+        "--algo", "drgrpo", "--env", "SimpleSokoban:2", "FrozenLake:2", "--filter-strategy", "top_p", "--filter-ratio", "0.5",
+        "--filter-metric", "length", "--context-window-mode", "limited_multi_turn", "--max-context-window", "1",
+        "--batch-adjust", "delete", "--val-every", "2"],
+    "rloo-single_turn": [
+        "--algo", "rloo", "--env", "frozenlake", "--filter-strategy", "top_p", "--filter-top-p-mode", "softmax",
+        "--filter-ratio", "0.6", "--filter-metric", "entropy", "--context-window-mode", "single_turn", "--val-every", "0"],
+    "reinforce_pp_baseline-window": [
+        "--algo", "reinforce_pp_baseline", "--env", "sokoban", "--filter-strategy", "top_k_abs", "--filter-ratio", "1",
+        "--filter-metric", "entropy_std", "--filter-loss-scaling", "sqrt", "--max-context-window", "1", "--collapse-every", "1",
+        "--val-every", "0"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", list(TWO_STEP_RUNS.values()), ids=list(TWO_STEP_RUNS))
+def test_two_step_run(tmp_path, flags):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--steps", "2", *flags, "--out", out)
+    ms, args = read_metrics(out), json.load(open(os.path.join(out, "args.json")))
+    assert [m["step"] for m in ms] == [0, 1, *([2] if args["val_every"] else [])]  # two steps, then the final validation
+    assert all(m["train/batch_size"] % 4 == 0 for m in ms[:2])  # whole mini-batches after the batch adjust
+    if "--filter-strategy" not in flags:  # --filter-ratio 1 keeps both groups of 2 whole episodes
+        assert [m["train/batch_size"] for m in ms[:2]] == [4, 4]
+    for m in ms[:2]:
+        if m["train/batch_size"]:
+            assert all(k in m for k in ("actor/pg_loss", "actor/entropy", "rollout/in_group_std", "timing_s/rollout"))
+            assert ("critic/vf_loss" in m) == (args["algo"] == "ppo")
+    assert args["loss_agg"] == ("seq-mean-token-sum" if "drgrpo" in flags else "token-mean")
+    windowed = args["context_window_mode"] != "full" or args["max_context_window"] > 0
+    assert ("collapse/first_turn/mi" in ms[0]) == (not windowed)  # windowed rows are not whole episodes: no MI
+    assert os.path.exists(os.path.join(out, "ckpt.pt"))
+    if flags[1] in NEW_PRESETS:
+        assert args["max_actions_per_turn"] == {"Countdown": 1}.get(flags[1], 2)  # from the preset (TINY sets --max-turns)
+    if "FrozenLake:2" in flags:  # env mixing: metrics per preset, validation on both, 8 episodes x 2 turns = 16 rows
+        assert {"train/SimpleSokoban/success", "train/FrozenLake/success", "val-env/FrozenLake/success"} <= set(ms[0]) | set(ms[-1])
+        assert args["env_mix"] == [["SimpleSokoban", 2], ["FrozenLake", 2]] and ms[0]["rollout/length/in_group_mean"] > 0
+
+
+# ------------------------------------------------------------------ what a step logs and how it runs
+@pytest.mark.slow
+def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
+    # logged losses are means over the mini-batch, not over micro-batch partial sums (4x less at 1 than at 4)
+    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
+             "--lr", "1e-3", "--critic-lr", "1e-3"]
+    outs = [str(tmp_path / f"mb{n}") for n in (1, 4)]
+    for out, n in zip(outs, (1, 4)):
+        run_train(*flags, "--micro-batch-size", str(n), "--out", out)
+    a, b = read_metrics(outs[0])[0], read_metrics(outs[1])[0]
+    for k in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm", "critic/grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert a["critic/vf_loss"] > 0
+
+
+@pytest.mark.slow
+def test_inductive_reward_norm_runs_on_mixed_presets(tmp_path):
+    # --reward-norm-grouping inductive needs each row's env tag, passed by train.py to normalize_scores
+    out = str(tmp_path / "ind")
+    run_train(*TINY, "--env", "bandit:1", "frozenlake:1", "--algo", "grpo", "--reward-norm", "mean",
+              "--reward-norm-grouping", "inductive", "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--out", out)
+    assert math.isfinite(read_metrics(out)[0]["actor/pg_loss"])
+
+
+@pytest.mark.slow
+def test_grad_checkpointing_runs_and_holds_fewer_activations(tmp_path):
+    # HF skips checkpointing in eval mode (the mode load_model returns models in), so the update runs in train mode:
+    # the bytes autograd holds for backward (perf/actor_saved_activations_mb) must drop
+    flags = [*TINY, "--env", "sokoban", "--algo", "grpo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
+             "--micro-batch-size", "4", "--max-new-tokens", "24"]
+    held = {}
+    for ckpt in (False, True):
+        out = str(tmp_path / f"ckpt{ckpt}")
+        run_train(*flags, *(["--grad-checkpointing"] if ckpt else []), "--out", out)
+        held[ckpt] = read_metrics(out)[0]["perf/actor_saved_activations_mb"]
+    assert held[True] < 0.6 * held[False], held
+
+
+@pytest.mark.slow
+def test_train_logs_collapse_metrics_and_plot_overlays_runs(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "frozenlake", "--algo", "grpo", "--no-think", "--steps", "2", "--val-every", "0",
+              "--collapse-every", "1", "--out", out)
+    ms = read_metrics(out)
+    for m in ms:  # 2 groups x 2 rows: first_turn has one column per group, any_turn one per pair
+        assert m["collapse/first_turn/prompts"] == 2 and m["collapse/any_turn/prompts"] == m["collapse/any_turn/pairs"]
+        for v in ("first_turn", "any_turn"):
+            assert -1e-6 < m[f"collapse/{v}/mi"] + 1e-3 and m[f"collapse/{v}/mi"] <= m[f"collapse/{v}/mi_upper_bound"] + 1e-6
+            assert 0 <= m[f"collapse/{v}/retrieval_acc"] <= 1 and m[f"collapse/{v}/valid_rate"] > 0
+        assert "timing_s/collapse" in m
+    png = ev.plot_run(out, out, out=str(tmp_path / "ab.png"))  # two runs overlaid
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
+
+
+# two steps, no validation, no collapse diagnostics
+R2 = [*TINY, "--collapse-every", "0", "--val-every", "0", "--steps", "2"]
+
+
+@pytest.mark.slow
+def test_empty_steps_are_skipped_then_stop(tmp_path):
+    # the tiny model never answers well, so every group has std 0 and linear top_p keeps nothing
+    out = str(tmp_path / "run")
+    r = run_train(*R2, "--env", "bandit", "--algo", "grpo", "--filter-strategy", "top_p", "--filter-ratio", "0.9",
+                  "--steps", "5", "--empty-stop-steps", "2", "--max-turns", "1", "--max-new-tokens", "4", "--out", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1] and [m["rollout/consecutive_empty_steps"] for m in ms] == [1, 2]
+    assert ms[1]["early_stopped/empty_filtered_steps"] == 1 and "actor/pg_loss" not in ms[0]
+    assert "stopping early: 2 steps in a row had nothing to train" in r.stdout
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 1
+    # an empty step measures no entropy: it must not enter the early level as 0 (that would hide a later fall)
+    assert ckpt["monitor"]["early_entropy"] == [] and len(ckpt["monitor"]["early_std"]) == 2
+
+
+@pytest.mark.slow
+def test_early_stop_on_validation_success(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(*R2, "--env", "bandit", "--early-stop", "--val-every", "1", "--steps", "8", "--max-turns", "1",
+                  "--max-new-tokens", "4", "--out", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4] and ms[-1]["early_stopped/low_validation_success"] == 1
+    assert "val-env/Bandit/success under 0.01 at 5 validations in a row" in r.stdout
+    assert not any(m["step"] == 8 for m in ms)  # no final validation after a stop
+
+
+@pytest.mark.slow
+def test_paper_shape_step_at_reduced_depth(tmp_path):
+    # bench.py --dry-run 24 runs one full StarPO-S step on the Qwen2.5-0.5B shape; here the same code path with
+    # 2 of its 24 layers: hidden 896, 14 heads on 2 KV heads, vocab 151,936 tied, loaded from a hub-like directory
+    import bench
+    path = bench.save_qwen25_shape(str(tmp_path / "qwen-shape"), layers=2)
+    out = str(tmp_path / "run")
+    run_train("--model", path, "--env", "sokoban", "--algo", "ppo", "--num-groups", "2", "--group-size", "2",
+              "--filter-ratio", "0.5", "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "8",
+              "--max-turns", "2", "--val-every", "0", "--collapse-every", "0", "--steps", "1", "--sampler", "static",
+              "--log-trajectories-every", "0", "--out", out)
+    m = read_metrics(out)[0]
+    assert m["train/SimpleSokoban/response_tokens"] > 0 and math.isfinite(m["actor/pg_loss"]) and m["critic/vf_loss"] > 0
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).config.vocab_size == 151936
+
+
+# ------------------------------------------------------------------ 2 ranks equal 1 process (FSDP2 on gloo)
+def assert_same_as_one_process(one, two):
+    """The 2-rank tolerance: losses, grad norms and scores to 1e-3 relative, weights to 1e-4."""
+    a, b = read_metrics(one), read_metrics(two)
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        for k in ("train/FrozenLake/score", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm"):
+            assert (k in x) == (k in y), k
+            if k in x:
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k)
+    wa = torch.load(os.path.join(one, "ckpt.pt"), weights_only=False)["actor"]
+    wb = torch.load(os.path.join(two, "ckpt.pt"), weights_only=False)["actor"]
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fp32-ppo", "bf16-static-sampler", "3-row-groups"])
+def test_two_ranks_match_one_process(tmp_path, case):
+    """One run on 1 process and on 2 torchrun ranks (FSDP2 on gloo). bf16-static-sampler is the CUDA configuration
+    on the CPU: bf16 compute (autocast + bf16 rollout copy), the static KV pool with validation chunked into it, FSDP2
+    with MixedPrecisionPolicy(bf16 params, fp32 reduce); no trajectory files with --log-trajectories-every 0, not
+    even from validation. 3-row-groups: a filter keeping a varying number of rows, the copy adjust on 2 ranks."""
+    if case == "fp32-ppo":
+        flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3"]
+    elif case == "bf16-static-sampler":
+        flags = [*TINY, "--env", "bandit", "--algo", "grpo", "--steps", "1", "--val-every", "1", "--val-groups", "6",
+                 "--collapse-every", "0", "--max-new-tokens", "6", "--dtype", "bf16", "--sampler", "static",
+                 "--log-trajectories-every", "0"]
+    else:
+        flags = [*R2, "--env", "frozenlake", "--algo", "reinforce_pp", "--num-groups", "4", "--group-size", "3",
+                 "--filter-strategy", "min_p", "--filter-ratio", "0.9", "--filter-metric", "length", "--lr", "1e-3"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run_train(*flags, "--out", one)
+    run_train(*flags, "--out", two, torchrun=2)
+    a, b = read_metrics(one), read_metrics(two)
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    if case == "fp32-ppo":
+        assert_same_as_one_process(one, two)
+    elif case == "bf16-static-sampler":
+        assert [m["step"] for m in a] == [0, 1]
+        assert "val-env/BanditTest/score" in a[0] and not [f for f in os.listdir(one) if f.endswith(".jsonl") and f != "metrics.jsonl"]
+        for k in ("train/Bandit/score", "val-env/Bandit/score", "val-env/BanditTest/score"):
+            assert a[0][k] == pytest.approx(b[0][k], abs=1e-6), k   # bf16 sampling: same tokens on 1 and 2 ranks
+        assert a[0]["actor/pg_loss"] == pytest.approx(b[0]["actor/pg_loss"], rel=0.05, abs=1e-3)  # bf16 compute
+    else:
+        assert [m["train/real_batch_size"] for m in a] == [m["train/real_batch_size"] for m in b]
+        assert any(m["train/real_batch_size"] % 4 for m in a)  # 3-row groups: the copy adjust had work to do
+        for x, y in zip(a, b):
+            assert x["train/batch_size"] == y["train/batch_size"] and x["train/batch_size"] % 4 == 0
+            for k in ("rollout/kept_fraction", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
+
+
+# At the first fully_shard call of a process, the bytes of every allocated (not meta) parameter alive in it that
+# FSDP2 has not sharded yet, found through the garbage collector: [rank, bytes] as one JSON line
+SHARD_PROBE = ("import gc, json, os, torch, torch.distributed.fsdp as F\n_shard, _seen = F.fully_shard, []\n"
+               "def fully_shard(module, **kw):\n"
+               "    if not _seen:\n"
+               "        _seen.append(1)\n"
+               "        ps = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]\n"
+               "        b = sum(p.numel() * p.element_size() for p in ps if not p.is_meta and not hasattr(p, 'to_local'))\n"
+               "        with open(os.environ['SHARD_PROBE'], 'a') as f:\n"
+               "            f.write(json.dumps([os.environ.get('RANK'), b]) + '\\n')\n"
+               "    return _shard(module, **kw)\n"
+               "F.fully_shard = fully_shard\n")
+
+
+@pytest.mark.slow
+def test_models_are_sharded_before_they_are_allocated(tmp_path):
+    # actor, critic trunk, reference and rollout copy are built on the meta device and sharded before any weight is
+    # allocated: when sharding starts, no rank holds as much as one bf16 copy of the model in parameters (rank 0's
+    # fp32 source state dict is host memory on a GPU machine); the rollout copy then fills in bf16 with one
+    # all-gather per block (sync bytes = the bf16 model, tied embedding once)
+    (tmp_path / "sitecustomize.py").write_text(SHARD_PROBE)
+    probe, out = str(tmp_path / "probe.jsonl"), str(tmp_path / "run")
+    run_train(*TINY, "--env", "frozenlake", "--algo", "ppo", "--kl-coef", "0.1", "--dtype", "bf16", "--steps", "1",
+              "--val-every", "0", "--collapse-every", "0", "--out", out, torchrun=2,
+              env=dict(PYTHONPATH=str(tmp_path), SHARD_PROBE=probe))
+    calls = [json.loads(l) for l in open(probe)]
+    n = sum(p.numel() for p in rollout.build_tiny("llama")[0].parameters())
+    assert sorted(r for r, _ in calls) == ["0", "1"] and max(b for _, b in calls) < 2 * n, (calls, n)
+    assert read_metrics(out)[0]["perf/sync_gathered_mb"] == pytest.approx(2 * n / 2**20)
+
+
+# ------------------------------------------------------------------ LoRA
+LORA = [*TINY, "--env", "sokoban", "--algo", "ppo", "--lora-rank", "4", "--kl-coef", "0.01", "--lr", "1e-2",
+        "--critic-lr", "1e-2", "--val-every", "0"]
+
+
+@pytest.mark.slow
+def test_lora_errors_name_their_cause(tmp_path):
+    # an install whose peft is older than transformers' LoRA integration needs: the real cause, in one line
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as md\n_v = md.version\n"
+        "md.version = lambda name: '0.1.0' if name == 'peft' else _v(name)\n")
+    env = dict(train_env(), PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *LORA, "--steps", "1", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in said, said[-2000:]
+    assert "peft 0.1.0" in said and "transformers 5." in said and "--lora-target" not in said, said
+    r = run_train(*LORA, "--lora-target", "no_such_proj", "--steps", "1", "--out", str(tmp_path / "t"), check=False)
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "--lora-target 'no_such_proj'" in said and "Traceback" not in said, said[-2000:]
+
+
+@pytest.mark.slow
+def test_lora_run_resume_two_ranks_and_export(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    full, part, two = str(tmp_path / "full"), str(tmp_path / "part"), str(tmp_path / "two")
+    flags = [*LORA, "--save-every", "1", "--save-adapter"]
+    run_train(*flags, "--steps", "2", "--out", full)
+    run_train(*flags, "--steps", "1", "--out", part)
+    run_train(*flags[:-1], "--steps", "2", "--resume", part)  # an output-only flag may change on a resume
+    run_train(*flags, "--steps", "2", "--out", two, torchrun=2)
+    a, b, c = read_metrics(full), read_metrics(part), read_metrics(two)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [m["step"] for m in c] == [0, 1]
+    for x, y, z in zip(a, b, c):
+        x, y = comparable(x), comparable(y)
+        assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6) for k in x), x
+        for k in ("train/SimpleSokoban/score", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm"):
+            assert x[k] == pytest.approx(z[k], rel=1e-3, abs=1e-5), k
+    # the rollout copy samples with the merged adapter (sampler log-probs == the peft actor's, on 1 and 2 ranks)
+    # while the policy moved away from the reference (the base: the actor with its adapter off)
+    assert all(m["rollout/sampler_logp_abs_diff"] < 1e-5 for m in a + c) and abs(a[1]["actor/kl_loss"]) > 1e-4
+    ck = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (full, part, two)]
+    assert os.path.isdir(os.path.join(full, "hf", "adapter")) and not os.path.exists(os.path.join(part, "hf", "adapter"))
+    assert all(".lora_" in k for k in ck[0]["actor"])  # the checkpoint holds adapters (+ the critic head), no base
+    assert {k for k in ck[0]["critic"] if ".lora_" not in k} == {"head.weight", "head.bias"}
+    for other, tol in ((ck[1], 1e-6), (ck[2], 1e-4)):
+        assert ck[0]["actor"].keys() == other["actor"].keys()
+        assert max((ck[0]["actor"][k] - other["actor"][k]).abs().max().item() for k in ck[0]["actor"]) < tol
+    # the export: merged weights that from_pretrained loads, equal to base + adapter through peft's own forward
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(full, "hf"))
+    adapted = PeftModel.from_pretrained(rollout.build_tiny("llama")[0], os.path.join(full, "hf", "adapter"))
+    x = torch.tensor([[5, 80, 81, 82, 83, 9]])
+    with torch.no_grad():
+        lm, la, lb = merged(x).logits, adapted(x).logits, rollout.build_tiny("llama")[0](x).logits
+    assert torch.allclose(lm, la, atol=1e-5) and (lm - lb).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_lora_sync_gathers_only_the_adapters(tmp_path):
+    out = str(tmp_path / "two")
+    run_train(*LORA, "--steps", "2", "--out", out, torchrun=2)
+    adapters = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]  # the actor's trainables: adapters
+    want = sum(v.numel() * 4 for v in adapters.values()) / 2**20
+    assert [m["perf/sync_gathered_mb"] for m in read_metrics(out) if "perf/sync_gathered_mb" in m] == pytest.approx([want] * 2)
+
+
+# ------------------------------------------------------------------ flags, errors, --demo, progress and --help
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,message", [
+    (["--env", "chess"], "unknown env or preset 'chess'"),
+    (["--filter-ratio", "0.25", "--mini-batch-size", "4"], "not a positive multiple of --mini-batch-size"),
+    (["--model", "/nonexistent/model-dir"], "cannot load --model"),
+    (["--resume", "/nonexistent/run"], "no ckpt.pt there"),
+    (["--env", "SimpleSokoban:2", "FrozenLake"], "give each a positive group count"),
+    (["--context-window-mode", "single_turn", "--turn-rewards"], "--turn-rewards and --bi-level-gae need whole episodes"),
+])
+def test_bad_flags_give_one_line_errors(flags, message):
+    r = run_train(*TINY, "--steps", "1", *flags, check=False)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_demo_preset_runs_with_the_tiny_model_and_flags_override_it(tmp_path):
+    out = str(tmp_path / "demo")
+    r = run_train("--lr", "1e-3", "--demo", "--model", "tiny", "--steps", "2", "--val-every", "2", "--val-groups", "4",
+                  "--out", out)
+    args = json.load(open(os.path.join(out, "args.json")))
+    assert (args["env"], args["algo"], args["reward_norm"], args["no_think"]) == ("BanditTest", "grpo", "mean", True)  # the preset
+    assert (args["model"], args["lr"], args["steps"], args["val_groups"]) == ("tiny", 1e-3, 2, 4)  # given flags win, before or after --demo
+    demo_line = next(l for l in r.stdout.splitlines() if l.startswith("--demo = python train.py --model smollm2 "))
+    assert demo_line.endswith(f" --lr 1e-3 --model tiny --steps 2 --val-every 2 --val-groups 4 --out {out}")
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
+    assert "held-out validation, 4 seeds per preset, step 0 -> 2:\n  BanditTest: success " in r.stdout
+    assert os.path.exists(os.path.join(out, "curves.png")) and f"curves: {os.path.join(out, 'curves.png')}" in r.stdout
+
+
+@pytest.mark.slow
+def test_progress_names_each_phase_and_the_end_says_what_next(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--ppo-epochs", "2", "--steps", "1", "--val-every", "1",
+                  "--out", out)
+    for line in ["step 0: validation SimpleSokoban turn 2/2", "step 0: rollout SimpleSokoban turn 1/2",
+                 "step 0: rollout SimpleSokoban turn 2/2", "step 0: collapse diagnostics", "step 0: old log-probs",
+                 "step 0: reference log-probs and values", "step 0: update mini-batch 1/2", "step 0: update mini-batch 2/2",
+                 "step 0: checkpoint"]:
+        assert line in r.stderr, line  # tqdm writes to stderr
+    assert r.stdout.index("loading --model tiny") < r.stdout.index("final validation: ['SimpleSokoban'], 2 seeds each")
+    for line in ["held-out validation, 2 seeds per preset, step 0 -> 1:", f"run directory {out}:",
+                 f"curves: python eval.py --plot {out}", f"--resume {out}", f"next: python eval.py --model {out}"]:
+        assert line in r.stdout, line
+    assert not os.path.exists(os.path.join(out, "curves.png"))  # drawn by --demo only
+
+
+@pytest.mark.slow
+def test_help_is_grouped_and_shows_defaults():
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--help"], capture_output=True, text=True,
+                       cwd=HERE, env=dict(os.environ, COLUMNS="200"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    titles = [l[:-1] for l in r.stdout.splitlines() if l.endswith(":") and not l.startswith(" ")]
+    assert titles[-10:] == ["common flags", "environment and agent loop", "model", "batch sizes", "algorithm", "optimisation",
+                            "validation", "run", "RAGEN-2 and variants: context windows, filters, turn-level rewards, stops",
+                            "debugging and testing: reference paths that sample the same tokens, slower"]
+    for text in ["--filter-ratio FILTER_RATIO", "(default: 0.25)", "(default: 1e-06)", "--demo", "(default: ['sokoban'])"]:
+        assert text in r.stdout, text
+
+
+# ------------------------------------------------------------------ memory plan (memplan.py, train.py --plan)
+def tiny_config():
+    return rollout.build_tiny("llama")[0].config
+
+
+def test_memory_plan_hand_computed_for_an_untied_config():
+    # d 8, I 12, 2 layers, 2 heads of 4 on 1 KV head, vocab 20, untied: every part by hand, on 2 ranks, bf16, PPO
+    # with a reference model, 4 rows rolled out, mini-batch 4 in micro-batches of 1, 10-token conversations
+    import memplan
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=20, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    # the parameter counts the plan is built on, against the model: linear 8*(8+4+4) + 8*8 + 3*8*12 = 480 per layer,
+    # + biases 4+4+8 and norms 16 = 512; root 2 embeddings of 20*8 + final norm 8 = 328; P = 2*512 + 328 = 1352
+    a = model.model.layers[0]
+    linear = sum(m.weight.numel() for m in (a.self_attn.q_proj, a.self_attn.k_proj, a.self_attn.v_proj, a.self_attn.o_proj,
+                                            a.mlp.gate_proj, a.mlp.up_proj, a.mlp.down_proj))
+    assert (linear, sum(p.numel() for p in a.parameters()), sum(p.numel() for p in model.parameters())) == (480, 512, 1352)
+    plan = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=True, ref=True, bf16=True)
+    want = dict(weights=4 * 1352 / 2, grads=4 * 1352 / 2, adamw=8 * 1352 / 2,
+                critic=16 * (1352 - 160 + 8 + 1) / 2,          # the trunk: no lm_head, + value head (8 + 1)
+                reference=4 * 1352 / 2, rollout_copy=2 * 1352, lora_base=0,
+                kv_pool=2 * 2 * (4 // 2) * 1 * 128 * 4 * 2,   # layers x K,V x rows per rank x KV heads x 128 slots x D x bf16
+                # bf16 autocast per token per layer 26*8 + 8 + 4*8 + 4*4 + 4*2 + 8*12 = 368, outside 12*8 + 8 = 104
+                activations=(2 * 368 + 104) * 10, recompute=0,
+                weight_casts=2 * (328 + 2 * 512),             # bf16 root (both embeddings) + two blocks, all-gathered
+                # bf16 grads + fp32 reduce-scatter input of root + two blocks, + 2 micro-batches per rank: fp32 unsharded
+                grad_buffers=(2 + 4) * (328 + 2 * 512) + 4 * 1352,
+                # 10 positions (< the 256 chunk) x vocab 20, four fp32 tensors, + the fp32 copy of the bf16 lm_head
+                logprob_chunk=4 * 10 * 20 * 4 + 4 * 160,
+                # two fp32 gradients of the chunk, the copy again, lm_head's fp32 weight gradient and its bf16 cast
+                logprob_backward=2 * 10 * 20 * 4 + 4 * 160 + 4 * 160 + 2 * 160)
+    want["total"] = sum(want.values())
+    assert plan == pytest.approx(want) and want["total"] == 65688
+    # one process, fp32, no critic: no rollout copy, no FSDP buffers, no casts
+    one = memplan.plan_memory(cfg, world=1, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=False)
+    assert one["rollout_copy"] == one["grad_buffers"] == one["weight_casts"] == one["critic"] == 0
+    # LoRA rank 2 on 2 ranks: adapters 2*(7*8 + 2*8 + 2*4 + 3*12) = 232 per layer train; the base of the adapted
+    # weights (480 per layer) is gathered once in bf16 for the rollout copy
+    lora = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=True, lora_rank=2)
+    assert (lora["grads"], lora["adamw"], lora["lora_base"]) == (4 * 464 / 2, 8 * 464 / 2, 2 * 2 * 480)
+
+
+def test_memory_plan_matches_what_the_cpu_measures():
+    # memplan.plan_memory's parts against the same quantities measured on small Qwen2-shaped models: bytes autograd
+    # holds for backward (fp32 and bf16 autocast, with and without checkpointing), weights / grads / AdamW states
+    # after a real step, and the static KV pool the sampler allocates. Within 15%.
+    import memplan
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    for d, I, H, KV, L, V, micro, seq, bf16, ckpt in [(96, 256, 6, 2, 3, 500, 2, 100, False, False),
+                                                      (128, 344, 8, 4, 4, 1000, 3, 80, True, False),
+                                                      (128, 344, 8, 2, 4, 800, 2, 120, False, True),
+                                                      (96, 256, 6, 3, 3, 500, 2, 100, True, True)]:
+        cfg = Qwen2Config(vocab_size=V, hidden_size=d, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
+                          num_key_value_heads=KV, tie_word_embeddings=True)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(cfg).train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        held, seen = [0], set(params)
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                held[0] += t.untyped_storage().nbytes()
+            return t
+        tokens = torch.randint(0, V, (micro, seq))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logp, ent = starpo.token_logprobs(model, tokens, torch.ones_like(tokens, dtype=torch.bool), with_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+        plan = memplan.plan_memory(cfg, world=1, rows=4, micro=micro, seq=seq, critic=False, bf16=bf16, ckpt=ckpt)
+        want = plan["activations"] + (plan["weight_casts"] if bf16 else 0)
+        assert held[0] == pytest.approx(want, rel=0.15), (d, bf16, ckpt, held[0], want)
+        opt = torch.optim.AdamW(model.parameters())
+        opt.step()
+        measured = dict(weights=sum(p.numel() * 4 for p in model.parameters()),
+                        grads=sum(p.grad.numel() * 4 for p in model.parameters()),
+                        adamw=sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim()))
+        for k, v in measured.items():
+            assert plan[k] == pytest.approx(v, rel=0.15), k
+
+
+def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny):
+    import memplan
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "_POOL", {})
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2], preset, group_size=2,
+                    max_turns=1, max_new_tokens=4, max_context=1000, sampler=rollout.Sampler(static=True))
+    pool = sum(x.numel() * x.element_size() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1])
+    assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
+
+
+@pytest.mark.slow
+def test_plan_prints_the_parts_and_exits_without_training(tmp_path):
+    out = str(tmp_path / "run")
+    r = run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--kl-coef", "0.1", "--plan", "2", "--out", out)
+    for part in ("weights", "critic", "reference", "rollout_copy", "kv_pool", "activations", "weight_casts",
+                 "grad_buffers", "logprob_chunk", "logprob_backward", "total"):
+        assert f"  {part} " in r.stdout, part
+    assert "2 ranks" in r.stdout and "loading --model" not in r.stdout
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl")) and not os.path.exists(os.path.join(out, "ckpt.pt"))
+
+
+@pytest.mark.slow
+def test_train_refuses_a_plan_that_does_not_fit_and_names_the_flags_that_would(tmp_path):
+    import memplan
+    kw = dict(world=1, rows=4, mini=4, micro=2, seq=3600, critic=True, bf16=False)
+    with_ckpt, without = (memplan.plan_memory(tiny_config(), ckpt=c, **kw)["total"] for c in (True, False))
+    gb = (with_ckpt + without) / 2 / memplan.HEADROOM / 2**30  # a card between the two
+    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0"]
+    r = run_train(*flags, "--gpu-memory-gb", str(gb), "--out", str(tmp_path / "no"), check=False)
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "does not fit" in said and "--grad-checkpointing" in said and "--force" in said, said
+    assert "loading --model" not in r.stdout and "Traceback" not in said
+    r = run_train(*flags, "--gpu-memory-gb", str(gb), "--force", "--out", str(tmp_path / "forced"))
+    assert f"memory plan: {without / 2**30:.2f} GB per rank" in r.stdout, r.stdout
+    run_train(*flags, "--gpu-memory-gb", str(gb), "--grad-checkpointing", "--out", str(tmp_path / "ckpt"))
+
+
+# Under autocast, every Linear's output scaled by 1 + k/256 with k = (rows of the GEMM) mod 7: a GEMM whose last bits
+# depend on its shape, as cuBLAS picks its kernel (and split-K) by shape; the CPU's bf16 GEMMs round alike at any shape
+SHAPE_ROUNDING = ("import torch, torch.nn.functional as F\n_linear = F.linear\n"
+                  "F.linear = lambda x, w, b=None: _linear(x, w, b) * (1 + (x.numel() // x.shape[-1] % 7) / 256 "
+                  "* torch.is_autocast_enabled('cpu'))\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro", ["1", "3"])
+def test_lr_zero_bf16_ratio_is_exactly_one(tmp_path, micro):
+    # old log-probs and the update see the same rows in the same micro-batches at the same padded length, so
+    # under bf16 autocast the GEMMs have the same shapes and the ratio is 1 to the last bit at --lr 0, even where
+    # the GEMMs' rounding depends on their shape (SHAPE_ROUNDING)
+    (tmp_path / "sitecustomize.py").write_text(SHAPE_ROUNDING)
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--group-size", "4", "--mini-batch-size", "4",
+              "--micro-batch-size", micro, "--dtype", "bf16", "--lr", "0", "--critic-lr", "0", "--filter-ratio", "1",
+              "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--max-new-tokens", "24", "--out", out,
+              env=dict(PYTHONPATH=str(tmp_path)))
+    m = read_metrics(out)[0]
+    assert m["train/batch_size"] == 8
+    assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"], m["actor/approx_kl"]) == (1.0, 1.0, 0.0, 0.0), m
+
+
+# ==================================================================================================
+# Checkpoints and resume: kill train.py at any instant, resume on any world size, export
+# ==================================================================================================
+# A kill changes what is on disk only at a file-system operation, or half-way through one write. So a run is
+# interrupted just before its N-th operation under --out (an open for writing, rename, remove, mkdir, rmtree),
+# seen by a Python audit hook in this wrapper; train.py runs unchanged. "kill" sends SIGKILL (before an append
+# to metrics.jsonl it first writes half a line, as a kill in the middle of the write would); "fail" raises
+# OSError instead (a full disk). N may be "N:text": the N-th operation whose description contains text.
+INTERRUPT = r'''
+import atexit, os, runpy, signal, sys
+n, _, only = sys.argv[1].partition(":")
+n, how, out, seen = int(n), sys.argv[2], os.path.abspath(sys.argv[3]), [0]
+atexit.register(lambda: print(f"OPERATIONS {seen[0]}", file=sys.stderr, flush=True))
+
+def hook(event, a):
+    if seen[0] < 0 or event not in ("open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree"):
+        return
+    path = os.fspath(a[0]) if isinstance(a[0], (str, os.PathLike)) else None
+    if not isinstance(path, str) or (event == "open" and not set(str(a[1])) & set("wax+")):
+        return
+    what = f"{event} {os.path.relpath(os.path.abspath(path), out)}"
+    if what.split(" ", 1)[1].startswith("..") or only not in what:
+        return
+    seen[0] += 1
+    if seen[0] == n:
+        seen[0] = -1
+        print(f"INTERRUPTED ({how}) before {what}", file=sys.stderr, flush=True)
+        if how == "fail":
+            raise OSError(28, "No space left on device (injected)")
+        if what == "open metrics.jsonl":
+            with open(path, "a") as f:
+                f.write('{"step": 1, "train/Froz')
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+sys.argv = sys.argv[4:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+KILLED = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--lr", "1e-3", "--critic-lr", "1e-3", "--steps", "3", "--save-every", "1"]
+
+
+LEFTOVERS = {"hf.tmp", "hf.old", "ckpt.pt.tmp", "metrics.jsonl.tmp", "args.json.tmp"}
+
+
+def interrupted(out, at, how="kill"):
+    """One launch of KILLED into out (resuming it when it has a checkpoint), stopped before operation `at`."""
+    start = ["--resume", out] if os.path.exists(os.path.join(out, "ckpt.pt")) else ["--out", out]
+    return subprocess.run([sys.executable, "-c", INTERRUPT, at, how, out, os.path.join(HERE, "train.py"), *KILLED, *start],
+                          capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """KILLED run to the end in one go (under the wrapper, counting its file operations)."""
+    out = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+    r = interrupted(out, "0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, int(r.stderr.split("OPERATIONS ")[-1].split()[0])
+
+
+def assert_same_run(a, b):
+    """Metrics (timing aside) equal, the checkpoint's weights equal, hf/ holds the checkpoint's actor, no leftovers."""
+    from safetensors.torch import load_file
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for x, y in zip(ma, mb):
+        x, y = comparable(x), comparable(y)
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
+    wa = torch.load(os.path.join(a, "ckpt.pt"), weights_only=False)["actor"]
+    wb = torch.load(os.path.join(b, "ckpt.pt"), weights_only=False)["actor"]
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    hf = load_file(os.path.join(b, "hf", "model.safetensors"))
+    assert hf and all(torch.equal(hf[k], wb[k]) for k in hf)
+    assert not LEFTOVERS & set(os.listdir(b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["half a metrics line", "stale hf.old"])
+def test_resume_repairs_what_a_kill_leaves(tmp_path, uninterrupted, damage):
+    """What a kill leaves: a partial last metrics line (a JSONDecodeError when read back) and a stale hf.old (a
+    'Directory not empty' at the next checkpoint, after ckpt.pt moved on); leftover hf.tmp and ckpt.pt.tmp too."""
+    import shutil
+    ref, _ = uninterrupted
+    out = str(tmp_path / "run")
+    shutil.copytree(ref, out)
+    if damage == "half a metrics line":
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+            f.write('{"step": 3, "train/Froz')
+    else:
+        shutil.copytree(os.path.join(out, "hf"), os.path.join(out, "hf.old"))
+    shutil.copytree(os.path.join(out, "hf"), os.path.join(out, "hf.tmp"))
+    open(os.path.join(out, "ckpt.pt.tmp"), "wb").write(b"PK\x03\x04 half a checkpoint")
+    run_train(*KILLED, "--steps", "4", "--resume", out)
+    ms = read_metrics(out)
+    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]  # the old final validation (step 3) replaced by step 3, then val
+    assert [comparable(m) for m in ms[:3]] == [comparable(m) for m in read_metrics(ref)[:3]]
+    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert sd["step"] == 3 and not LEFTOVERS & set(os.listdir(out))
+    from safetensors.torch import load_file
+    assert all(torch.equal(v, sd["actor"][k]) for k, v in load_file(os.path.join(out, "hf", "model.safetensors")).items())
+
+
+@pytest.mark.slow
+def test_kill_at_random_instants_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
+    """Stop a 3-step run (a checkpoint every step) at seeded random file operations, resuming after each
+    stop, then let it finish: metrics, checkpoint and hf/ equal the uninterrupted run's. The first stop is a
+    failed write at the worst moment of the step-1 checkpoint (the step-0 hf/ moved to hf.old, the new one not yet
+    renamed in): a one-line error, and the step-0 checkpoint still resumes. The last stop comes after the last
+    checkpoint, in the final validation, which the resume must redo."""
+    ref, n_ops = uninterrupted
+    out, rng = str(tmp_path / "run"), random.Random(16)
+    # a launch resumed at the last step still does a third of a whole run's operations, so every stop happens
+    plan = [("fail", "2:os.rename hf.tmp")] + [("kill", str(rng.randint(1, n_ops // 3))) for _ in range(2)]
+    plan += [("kill", "1:open val-FrozenLake-step00003")]
+    stops = []
+    for how, at in plan:
+        r = interrupted(out, at, how)
+        assert r.returncode != 0 and "INTERRUPTED" in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+        stops.append(r.stderr.split("INTERRUPTED ")[1].splitlines()[0])
+        if how == "fail":
+            assert "train.py: checkpoint of step 1 failed" in r.stdout and "Traceback" not in r.stdout + r.stderr, r.stderr
+            assert not os.path.exists(os.path.join(out, "hf")) and os.path.isdir(os.path.join(out, "hf.old"))
+    r = interrupted(out, "0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print("\n".join(stops))
+    assert_same_run(ref, out)
+
+
+@pytest.mark.slow
+def test_resume_across_world_sizes(tmp_path, uninterrupted):
+    """A checkpoint written by 2 ranks resumes in 1 process, whose checkpoint resumes on 2 ranks again; the
+    result matches the 1-process run within the 2-rank tolerance (checkpoints hold full state dicts)."""
+    ref, _ = uninterrupted
+    out = str(tmp_path / "run")
+    run_train(*KILLED, "--steps", "1", "--out", out, torchrun=2)
+    run_train(*KILLED, "--steps", "2", "--resume", out)
+    run_train(*KILLED, "--steps", "3", "--resume", out, torchrun=2)
+    assert_same_as_one_process(ref, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["parent is a file", "read-only", "holds a checkpoint"])
+def test_out_dir_checked_before_the_model_loads(tmp_path, case):
+    """--model is bad too: the run-directory error must come first, so nothing was loaded."""
+    out = tmp_path / "run"
+    if case == "parent is a file":
+        (tmp_path / "f").write_text("")
+        out, message = tmp_path / "f" / "run", "is not a directory"
+    elif case == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        out.mkdir()
+        out.chmod(0o500)
+        message = "is not writable"
+    else:
+        out.mkdir()
+        (out / "ckpt.pt").write_bytes(b"")
+        message = "holds a checkpoint: continue it with --resume"
+    r = run_train(*TINY, "--steps", "1", "--model", "/nonexistent/model-dir", "--out", str(out), check=False)
+    assert r.returncode == 2 and message in r.stdout and r.stdout.count("\n") <= 2, r.stdout + r.stderr
+    assert "cannot load --model" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_resume_with_different_flags_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
+    r = run_train(*TINY, "--env", "bandit", "--steps", "2", "--val-every", "0", "--resume", out, "--algo", "grpo", check=False)
+    assert r.returncode != 0 and "--algo was 'ppo', now 'grpo'" in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_exported_hf_dir_loads_and_generates(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "hf"))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
+    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+
+
 # ==================================================================================================
 # Evaluation and plots (eval.py)
 # ==================================================================================================
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_EVAL = ["--model", "tiny", "--num-seeds", "2", "--samples", "2", "--max-new-tokens", "8", "--max-turns", "2"]
 
 
@@ -1807,6 +3137,7 @@ def test_summarize_hand_made_records():
     assert row["score"] == pytest.approx(0.25) and row["turns"] == 2 and row["response_tokens"] == 10
 
 
+@pytest.mark.slow
 def test_eval_tiny_each_env_writes_jsonl_and_table(tmp_path):
     out = str(tmp_path / "ev")
     r = run_eval(*TINY_EVAL, "--env", "bandit", "sokoban", "--env", "frozenlake", "webshop", "--out", out)
@@ -1830,6 +3161,7 @@ def test_eval_tiny_each_env_writes_jsonl_and_table(tmp_path):
         assert row["turns"] == pytest.approx(sum(x["stats"]["num_turns"] for x in recs) / 4)
 
 
+@pytest.mark.slow
 def test_train_run_then_eval_run_dir_and_plot(tmp_path):
     """A real 2-step tiny train.py run: eval.py loads <run>/hf with the run's flags, --plot draws its curves."""
     run = str(tmp_path / "run")
@@ -1853,7 +3185,8 @@ def test_train_run_then_eval_run_dir_and_plot(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
 
-@pytest.mark.parametrize("window", [[], ["--max-context-window", "1", "--top-p", "0.9", "--seed", "7"]])
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [[], ["--max-context-window", "1", "--top-p", "0.9", "--seed", "7", "--no-prefix-sharing"]])
 def test_eval_of_a_run_dir_reproduces_its_last_validation(tmp_path, window):
     # eval.py --model <run> samples as the run validated: same seeds, window, top-p, sampling keys (the run's --seed)
     run = str(tmp_path / "run")
@@ -1868,7 +3201,8 @@ def test_eval_of_a_run_dir_reproduces_its_last_validation(tmp_path, window):
     for ours, theirs in (("score", "score"), ("success", "success"), ("response_tokens", "response_tokens"),
                          ("turns", "num_turns")):  # the run logs fp32 means
         assert got[ours] == pytest.approx(last[f"val-env/FrozenLake/{theirs}"], rel=1e-6), ours
-    assert (a["max_context_window"], a["top_p"], a["sample_seed"]) == ((1, 0.9, 7) if window else (-1, 1.0, 10000))  # train.py: --seed 10000
+    assert (a["max_context_window"], a["top_p"], a["sample_seed"], a["no_prefix_sharing"]) == (
+        (1, 0.9, 7, True) if window else (-1, 1.0, 10000, False))  # train.py: --seed 10000
 
 
 def test_plot_hand_written_metrics(tmp_path):
@@ -1907,6 +3241,7 @@ def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert e.value.code == 2 and message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_bad_input_run_dirs(tmp_path, capsys):
     run = tmp_path / "run"  # a run directory whose run has not saved a checkpoint yet
     run.mkdir()
@@ -1922,1283 +3257,8 @@ def test_bad_input_run_dirs(tmp_path, capsys):
 
 
 # ==================================================================================================
-# Training script end to end (train.py, subprocesses incl. torchrun)
-# ==================================================================================================
-
-TINY = ["--device", "cpu", "--model", "tiny", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
-        "--micro-batch-size", "2", "--max-new-tokens", "12", "--max-turns", "2", "--val-groups", "2", "--val-every", "2",
-        "--log-trajectories-every", "1"]
-
-
-def train_env():
-    """The test's environment minus torch.distributed variables a launcher may have set (a plain run would
-    think it is a rank); --standalone torchrun picks its own free port."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                         "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def run_train(*flags, torchrun=0, check=True, env=None):
-    """train.py (on torchrun ranks) on the CPU unless the flags name a device: on a GPU machine a plain run would
-    take CUDA (bf16, compiled sampler) and a 2-rank run would ask for cuda:1; the suite's tolerances are CPU ones."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
-    flags = flags if "--device" in flags else ("--device", "cpu", *flags)
-    r = subprocess.run(cmd + [os.path.join(HERE, "train.py"), *flags], capture_output=True, text=True, cwd=HERE,
-                       env=dict(train_env(), **(env or {})), timeout=600)
-    if check:
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
-
-
-def read_metrics(out):
-    return [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def comparable(m):
-    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
-
-
-@pytest.mark.parametrize("env", ["bandit", "sokoban", "frozenlake", "webshop"])
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_two_step_run_each_env_and_algo(tmp_path, env, algo):
-    out = str(tmp_path / "run")
-    run_train(*TINY, "--env", env, "--algo", algo, "--steps", "2", "--out", out)
-    ms = read_metrics(out)
-    assert [m["step"] for m in ms] == [0, 1, 2]  # two steps, then the final validation
-    assert all(k in ms[0] for k in ("actor/pg_loss", "actor/entropy", "rollout/in_group_std", "timing_s/rollout"))
-    assert ("critic/vf_loss" in ms[0]) == (algo == "ppo")
-    assert os.path.exists(os.path.join(out, "ckpt.pt")) and os.path.exists(os.path.join(out, "args.json"))
-
-
-def test_torchrun_two_ranks_matches_one_process(tmp_path):
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3"]
-    run_train(*flags, "--out", one)
-    run_train(*flags, "--out", two, torchrun=2)
-    assert_same_as_one_process(one, two)
-
-
-def assert_same_as_one_process(one, two):
-    """The 2-rank tolerance: losses, grad norms and scores to 1e-3 relative, weights to 1e-4."""
-    a, b = read_metrics(one), read_metrics(two)
-    assert [m["step"] for m in a] == [m["step"] for m in b]
-    for x, y in zip(a, b):
-        for k in ("train/FrozenLake/score", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm"):
-            assert (k in x) == (k in y), k
-            if k in x:
-                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k)
-    wa = torch.load(os.path.join(one, "ckpt.pt"), weights_only=False)["actor"]
-    wb = torch.load(os.path.join(two, "ckpt.pt"), weights_only=False)["actor"]
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
-
-
-# ------------------------------------------------------------------ the GPU settings of train.py, on the CPU (issue 10)
-def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
-    # defect 7: losses were averaged over micro-batch partial sums, so --micro-batch-size 1 logged 4x less than 4
-    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
-             "--lr", "1e-3", "--critic-lr", "1e-3"]
-    outs = [str(tmp_path / f"mb{n}") for n in (1, 4)]
-    for out, n in zip(outs, (1, 4)):
-        run_train(*flags, "--micro-batch-size", str(n), "--out", out)
-    a, b = read_metrics(outs[0])[0], read_metrics(outs[1])[0]
-    for k in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm", "critic/grad_norm"):
-        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-    assert a["critic/vf_loss"] > 0
-
-
-
-def test_inductive_reward_norm_runs_on_mixed_presets(tmp_path):
-    # --reward-norm-grouping inductive used to crash: train.py never passed the env tags normalize_scores needs
-    out = str(tmp_path / "ind")
-    run_train(*TINY, "--env", "bandit:1", "frozenlake:1", "--algo", "grpo", "--reward-norm", "mean",
-              "--reward-norm-grouping", "inductive", "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--out", out)
-    assert math.isfinite(read_metrics(out)[0]["actor/pg_loss"])
-
-def test_grad_checkpointing_runs_and_holds_fewer_activations(tmp_path):
-    # defect 6: models came back from load_model in eval mode, where HF skips checkpointing; the update now runs in
-    # train mode, and the bytes autograd holds for backward (perf/actor_saved_activations_mb) must drop
-    flags = [*TINY, "--env", "sokoban", "--algo", "grpo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
-             "--micro-batch-size", "4", "--max-new-tokens", "24"]
-    held = {}
-    for ckpt in (False, True):
-        out = str(tmp_path / f"ckpt{ckpt}")
-        run_train(*flags, *(["--grad-checkpointing"] if ckpt else []), "--out", out)
-        held[ckpt] = read_metrics(out)[0]["perf/actor_saved_activations_mb"]
-    assert held[True] < 0.6 * held[False], held
-
-
-def test_gpu_settings_run_on_the_cpu_and_match_one_process(tmp_path):
-    # the CUDA configuration on the CPU: bf16 compute (autocast + bf16 rollout copy), the static KV pool with
-    # validation chunked into it, FSDP2 with MixedPrecisionPolicy(bf16 params, fp32 reduce) on 2 ranks; no trajectory
-    # files with --log-trajectories-every 0 (they used to be written by validation anyway)
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    flags = [*TINY, "--env", "bandit", "--algo", "grpo", "--steps", "1", "--val-every", "1", "--val-groups", "6",
-             "--collapse-every", "0", "--max-new-tokens", "6", "--dtype", "bf16", "--sampler", "static",
-             "--log-trajectories-every", "0"]
-    run_train(*flags, "--out", one)
-    run_train(*flags, "--out", two, torchrun=2)
-    a, b = read_metrics(one), read_metrics(two)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1]
-    assert "val-env/BanditTest/score" in a[0] and not [f for f in os.listdir(one) if f.endswith(".jsonl") and f != "metrics.jsonl"]
-    for k in ("train/Bandit/score", "val-env/Bandit/score", "val-env/BanditTest/score"):
-        assert a[0][k] == pytest.approx(b[0][k], abs=1e-6), k   # bf16 sampling: same tokens on 1 and 2 ranks
-    assert a[0]["actor/pg_loss"] == pytest.approx(b[0]["actor/pg_loss"], rel=0.05, abs=1e-3)  # bf16 compute
-
-
-def test_paper_shape_step_at_reduced_depth(tmp_path):
-    # bench.py --dry-run 24 runs one full StarPO-S step on the Qwen2.5-0.5B shape; here the same code path with
-    # 2 of its 24 layers: hidden 896, 14 heads on 2 KV heads, vocab 151,936 tied, loaded from a hub-like directory
-    import bench
-    path = bench.save_qwen25_shape(str(tmp_path / "qwen-shape"), layers=2)
-    out = str(tmp_path / "run")
-    run_train("--model", path, "--env", "sokoban", "--algo", "ppo", "--num-groups", "2", "--group-size", "2",
-              "--filter-ratio", "0.5", "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "8",
-              "--max-turns", "2", "--val-every", "0", "--collapse-every", "0", "--steps", "1", "--sampler", "static",
-              "--log-trajectories-every", "0", "--out", out)
-    m = read_metrics(out)[0]
-    assert m["train/SimpleSokoban/response_tokens"] > 0 and math.isfinite(m["actor/pg_loss"]) and m["critic/vf_loss"] > 0
-    from transformers import AutoModelForCausalLM
-    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).config.vocab_size == 151936
-
-
-def test_clip_and_step_skips_a_non_finite_gradient():
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
-    (model(torch.ones(1, 3)).sum() * float("nan")).backward()
-    assert math.isnan(starpo.clip_and_step(model, opt, 1.0))
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no step, weights finite
-    assert all(p.grad is None for p in model.parameters())  # the NaN gradient is dropped, not accumulated
-    model(torch.ones(1, 3)).sum().mul(100).backward()
-    gn = starpo.clip_and_step(model, opt, 1.0)
-    assert math.isfinite(gn) and gn > 1 and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--env", "chess"], "unknown env or preset 'chess'"),
-    (["--filter-ratio", "0.25", "--mini-batch-size", "4"], "not a positive multiple of --mini-batch-size"),
-    (["--model", "/nonexistent/model-dir"], "cannot load --model"),
-    (["--resume", "/nonexistent/run"], "no ckpt.pt there"),
-])
-def test_bad_flags_give_one_line_errors(flags, message):
-    r = run_train(*TINY, "--steps", "1", *flags, check=False)
-    assert r.returncode != 0
-    assert message in r.stdout + r.stderr
-    assert "Traceback" not in r.stdout + r.stderr
-
-
-def test_resume_with_different_flags_is_refused(tmp_path):
-    out = str(tmp_path / "run")
-    run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
-    r = run_train(*TINY, "--env", "bandit", "--steps", "2", "--val-every", "0", "--resume", out, "--algo", "grpo", check=False)
-    assert r.returncode != 0 and "--algo was 'ppo', now 'grpo'" in r.stdout + r.stderr
-
-
-def test_exported_hf_dir_loads_and_generates(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    out = str(tmp_path / "run")
-    run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
-    tok = AutoTokenizer.from_pretrained(os.path.join(out, "hf"))
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
-    assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
-    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
-    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
-
-
-# ==================================================================================================
-# Issue 16: kill train.py at any instant, resume it on any world size (checkpoints, run directory)
-# ==================================================================================================
-# A kill changes what is on disk only at a file-system operation, or half-way through one write. So a run is
-# interrupted just before its N-th operation under --out (an open for writing, rename, remove, mkdir, rmtree),
-# seen by a Python audit hook in this wrapper; train.py runs unchanged. "kill" sends SIGKILL (before an append
-# to metrics.jsonl it first writes half a line, as a kill in the middle of the write would); "fail" raises
-# OSError instead (a full disk). N may be "N:text": the N-th operation whose description contains text.
-INTERRUPT = r'''
-import atexit, os, runpy, signal, sys
-n, _, only = sys.argv[1].partition(":")
-n, how, out, seen = int(n), sys.argv[2], os.path.abspath(sys.argv[3]), [0]
-atexit.register(lambda: print(f"OPERATIONS {seen[0]}", file=sys.stderr, flush=True))
-
-def hook(event, a):
-    if seen[0] < 0 or event not in ("open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree"):
-        return
-    path = os.fspath(a[0]) if isinstance(a[0], (str, os.PathLike)) else None
-    if not isinstance(path, str) or (event == "open" and not set(str(a[1])) & set("wax+")):
-        return
-    what = f"{event} {os.path.relpath(os.path.abspath(path), out)}"
-    if what.split(" ", 1)[1].startswith("..") or only not in what:
-        return
-    seen[0] += 1
-    if seen[0] == n:
-        seen[0] = -1
-        print(f"INTERRUPTED ({how}) before {what}", file=sys.stderr, flush=True)
-        if how == "fail":
-            raise OSError(28, "No space left on device (injected)")
-        if what == "open metrics.jsonl":
-            with open(path, "a") as f:
-                f.write('{"step": 1, "train/Froz')
-        os.kill(os.getpid(), signal.SIGKILL)
-
-sys.addaudithook(hook)
-sys.argv = sys.argv[4:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-'''
-KILLED = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--lr", "1e-3", "--critic-lr", "1e-3", "--steps", "3", "--save-every", "1"]
-LEFTOVERS = {"hf.tmp", "hf.old", "ckpt.pt.tmp", "metrics.jsonl.tmp", "args.json.tmp"}
-
-
-def interrupted(out, at, how="kill"):
-    """One launch of KILLED into out (resuming it when it has a checkpoint), stopped before operation `at`."""
-    start = ["--resume", out] if os.path.exists(os.path.join(out, "ckpt.pt")) else ["--out", out]
-    return subprocess.run([sys.executable, "-c", INTERRUPT, at, how, out, os.path.join(HERE, "train.py"), *KILLED, *start],
-                          capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """KILLED run to the end in one go (under the wrapper, counting its file operations)."""
-    out = str(tmp_path_factory.mktemp("uninterrupted") / "run")
-    r = interrupted(out, "0")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out, int(r.stderr.split("OPERATIONS ")[-1].split()[0])
-
-
-def assert_same_run(a, b):
-    """Metrics (timing aside) equal, the checkpoint's weights equal, hf/ holds the checkpoint's actor, no leftovers."""
-    from safetensors.torch import load_file
-    ma, mb = read_metrics(a), read_metrics(b)
-    assert [m["step"] for m in ma] == [m["step"] for m in mb]
-    for x, y in zip(ma, mb):
-        x, y = comparable(x), comparable(y)
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
-    wa = torch.load(os.path.join(a, "ckpt.pt"), weights_only=False)["actor"]
-    wb = torch.load(os.path.join(b, "ckpt.pt"), weights_only=False)["actor"]
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
-    hf = load_file(os.path.join(b, "hf", "model.safetensors"))
-    assert hf and all(torch.equal(hf[k], wb[k]) for k in hf)
-    assert not LEFTOVERS & set(os.listdir(b))
-
-
-@pytest.mark.parametrize("damage", ["half a metrics line", "stale hf.old"])
-def test_resume_repairs_what_a_kill_leaves(tmp_path, uninterrupted, damage):
-    """Issue 16's reproductions: a partial last metrics line (was JSONDecodeError) and a stale hf.old (was
-    'Directory not empty' at the next checkpoint, after ckpt.pt had moved on); leftover hf.tmp and ckpt.pt.tmp too."""
-    import shutil
-    ref, _ = uninterrupted
-    out = str(tmp_path / "run")
-    shutil.copytree(ref, out)
-    if damage == "half a metrics line":
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write('{"step": 3, "train/Froz')
-    else:
-        shutil.copytree(os.path.join(out, "hf"), os.path.join(out, "hf.old"))
-    shutil.copytree(os.path.join(out, "hf"), os.path.join(out, "hf.tmp"))
-    open(os.path.join(out, "ckpt.pt.tmp"), "wb").write(b"PK\x03\x04 half a checkpoint")
-    run_train(*KILLED, "--steps", "4", "--resume", out)
-    ms = read_metrics(out)
-    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]  # the old final validation (step 3) replaced by step 3, then val
-    assert [comparable(m) for m in ms[:3]] == [comparable(m) for m in read_metrics(ref)[:3]]
-    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    assert sd["step"] == 3 and not LEFTOVERS & set(os.listdir(out))
-    from safetensors.torch import load_file
-    assert all(torch.equal(v, sd["actor"][k]) for k, v in load_file(os.path.join(out, "hf", "model.safetensors")).items())
-
-
-def test_kill_at_random_instants_and_resume_equals_uninterrupted(tmp_path, uninterrupted):
-    """Stop a 3-step run (a checkpoint every step) at seeded random file operations, resuming after each
-    stop, then let it finish: metrics, checkpoint and hf/ equal the uninterrupted run's. The first stop is a
-    failed write at the worst moment of the step-1 checkpoint (the step-0 hf/ moved to hf.old, the new one not yet
-    renamed in): a one-line error, and the step-0 checkpoint still resumes. The last stop comes after the last
-    checkpoint, in the final validation, which the resume must redo."""
-    ref, n_ops = uninterrupted
-    out, rng = str(tmp_path / "run"), random.Random(16)
-    # a launch resumed at the last step still does a third of a whole run's operations, so every stop happens
-    plan = [("fail", "2:os.rename hf.tmp")] + [("kill", str(rng.randint(1, n_ops // 3))) for _ in range(2)]
-    plan += [("kill", "1:open val-FrozenLake-step00003")]
-    stops = []
-    for how, at in plan:
-        r = interrupted(out, at, how)
-        assert r.returncode != 0 and "INTERRUPTED" in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
-        stops.append(r.stderr.split("INTERRUPTED ")[1].splitlines()[0])
-        if how == "fail":
-            assert "train.py: checkpoint of step 1 failed" in r.stdout and "Traceback" not in r.stdout + r.stderr, r.stderr
-            assert not os.path.exists(os.path.join(out, "hf")) and os.path.isdir(os.path.join(out, "hf.old"))
-    r = interrupted(out, "0")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    print("\n".join(stops))
-    assert_same_run(ref, out)
-
-
-def test_resume_across_world_sizes(tmp_path, uninterrupted):
-    """A checkpoint written by 2 ranks resumes in 1 process, whose checkpoint resumes on 2 ranks again; the
-    result matches the 1-process run within the 2-rank tolerance (checkpoints hold full state dicts)."""
-    ref, _ = uninterrupted
-    out = str(tmp_path / "run")
-    run_train(*KILLED, "--steps", "1", "--out", out, torchrun=2)
-    run_train(*KILLED, "--steps", "2", "--resume", out)
-    run_train(*KILLED, "--steps", "3", "--resume", out, torchrun=2)
-    assert_same_as_one_process(ref, out)
-
-
-@pytest.mark.parametrize("case", ["parent is a file", "read-only", "holds a checkpoint"])
-def test_out_dir_checked_before_the_model_loads(tmp_path, case):
-    """--model is bad too: the run-directory error must come first, so nothing was loaded."""
-    out = tmp_path / "run"
-    if case == "parent is a file":
-        (tmp_path / "f").write_text("")
-        out, message = tmp_path / "f" / "run", "is not a directory"
-    elif case == "read-only":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into read-only directories")
-        out.mkdir()
-        out.chmod(0o500)
-        message = "is not writable"
-    else:
-        out.mkdir()
-        (out / "ckpt.pt").write_bytes(b"")
-        message = "holds a checkpoint: continue it with --resume"
-    r = run_train(*TINY, "--steps", "1", "--model", "/nonexistent/model-dir", "--out", str(out), check=False)
-    assert r.returncode == 2 and message in r.stdout and r.stdout.count("\n") <= 2, r.stdout + r.stderr
-    assert "cannot load --model" not in r.stdout and "Traceback" not in r.stdout + r.stderr
-
-
-# ==================================================================================================
-# Issue 12: RAGEN-2 collapse diagnostics (starpo.collapse_stats / cross_logliks, rollout.reasoning_span,
-# train.py --collapse-every, eval.py --plot with several runs)
-# ==================================================================================================
-
-def test_collapse_stats_hand_worked_three_prompts():
-    # 4 responses scored under 3 prompts; prompts 0 and 2 are the same text (class ids 0, 1, 0)
-    p = [[.5, .25, .25],  # own prompt 0: top column 0 -> right
-         [.2, .6, .2],    # own 1: top 1 -> right
-         [.4, .2, .3],    # own 2: top 0, which is identical to 2 -> right (wrong if identity is ignored)
-         [.3, .1, .2]]    # own 1: top 0, then 2 (both class 0) -> wrong @1 and @2, right @4 (all 3 columns)
-    own, lens = [0, 1, 2, 1], [2, 1, 3, 4]
-    L = torch.tensor(p).log()
-    L_sum = L * torch.tensor(lens, dtype=torch.float)[:, None]
-    s = starpo.collapse_stats(L, L_sum, own, [0, 1, 0])
-    # matched = .5, .6, .3, .1; mixture = row means 1/3, 1/3, .3, .2; ratios 1.5, 1.8, 1, .5
-    mi = (math.log(1.5) + math.log(1.8) + math.log(1.0) + math.log(0.5)) / 4
-    assert s["mi"] == pytest.approx(mi) and s["mi_upper_bound"] == pytest.approx(math.log(3))
-    assert s["cond_entropy"] == pytest.approx(-(math.log(.5) + math.log(.6) + math.log(.3) + math.log(.1)) / 4)
-    assert s["entropy"] == pytest.approx(-(2 * math.log(1 / 3) + math.log(.3) + math.log(.2)) / 4)
-    assert s["entropy"] - s["cond_entropy"] == pytest.approx(s["mi"])  # I(X; Z) = H(Z) - H(Z|X)
-    sd = statistics.pstdev([math.log(1 / 3), math.log(1 / 3), math.log(.3), math.log(.2)])
-    assert s["marginal_std"] == pytest.approx(sd) and s["mi_zscore"] == pytest.approx(mi / (sd + 1e-3))
-    seq = [l * math.log(row[o]) - math.log(sum(q ** l for q in row) / 3) for row, o, l in zip(p, own, lens)]
-    assert s["mi_seq"] == pytest.approx(sum(seq) / 4)
-    # retrieval: rows 0-2 right, row 3 wrong; chance = mean(2/3, 1/3, 2/3, 1/3) = 1/2
-    assert (s["retrieval_acc"], s["retrieval_acc@2"], s["retrieval_acc@4"], s["retrieval_acc@8"]) == (0.75, 0.75, 1.0, 1.0)
-    assert s["retrieval_chance"] == pytest.approx(0.5) and s["retrieval_chance@2"] == pytest.approx(1.0) == s["retrieval_chance@8"]
-    plain = starpo.collapse_stats(L, L_sum, own)  # all prompts taken as different
-    assert plain["retrieval_acc"] == 0.5 and plain["retrieval_chance"] == pytest.approx(1 / 3)
-    assert plain["retrieval_chance@2"] == pytest.approx(2 / 3) and plain["mi"] == pytest.approx(mi)
-
-
-def test_cross_logliks_equal_teacher_forcing_of_each_concatenation():
-    model, _ = rollout.build_tiny()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 9, 7)]
-    responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 1, 6, 4, 2)]
-    L, L_sum = starpo.cross_logliks(model, prompts, responses, temperature=0.7, batch=2)  # ragged, 3 batches
-    for j, x in enumerate(prompts):
-        for i, z in enumerate(responses):
-            logp = teacher_forced_logp(model, torch.tensor([x + z]), torch.ones(1, len(x + z)), 0.7)[0, len(x):]
-            assert L_sum[i, j].item() == pytest.approx(logp.sum().item(), abs=1e-4)
-            assert L[i, j].item() == pytest.approx(logp.mean().item(), abs=1e-4)
-
-
-def test_mi_is_zero_for_a_prompt_blind_model_and_near_log_n_for_a_copying_one():
-    """The tiny Llama with every attention and MLP output zeroed is a bigram model: the next token depends on
-    the current token only. With a large final-norm gain it copies the current token."""
-    model, tok = rollout.build_tiny()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(60.0)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
-    # prompts that differ but end alike: the model cannot see the difference, so L has equal columns
-    blind = [enc(f"state {c}: <answer>") for c in "ABCD"]
-    responses = [enc(s) for s in ("Left", "Up", "Right || Down", "Down")]
-    L, L_sum = starpo.cross_logliks(model, blind, responses)
-    s = starpo.collapse_stats(L, L_sum, [0, 1, 2, 3])
-    assert abs(s["mi"]) < 1e-5 and abs(s["mi_seq"]) < 1e-4 and s["mi_upper_bound"] == pytest.approx(math.log(4))
-    assert s["cond_entropy"] == pytest.approx(s["entropy"], abs=1e-5)
-    # prompts that end in their state letter: the model answers with that letter, so z names its prompt
-    copy = [enc(f"state: {c}") for c in "ABCDEFGH"]
-    z = [[torch.argmax(model(input_ids=torch.tensor([x])).logits[0, -1]).item()] for x in copy]  # greedy answers
-    assert z == [x[-1:] for x in copy]
-    L, L_sum = starpo.cross_logliks(model, copy, z)
-    s = starpo.collapse_stats(L, L_sum, list(range(8)))
-    assert math.log(8) - 0.05 < s["mi"] <= math.log(8) + 1e-6 and s["retrieval_acc"] == 1.0
-    assert s["retrieval_chance"] == pytest.approx(1 / 8) and s["cond_entropy"] < 0.05
-
-
-def test_reasoning_span_cuts_prompt_and_span():
-    _, tok = rollout.build_tiny()
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
-    x1 = enc("<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n<answer>")
-    obs = enc("\n<|im_start|>user\nReward:\n0.0\nAgain<|im_end|>\n<|im_start|>assistant\n<answer>")
-    for response, think, expected in [("Left</answer><|im_end|>", False, "Left"),
-                                      ("Left || Up</answer>", False, "Left || Up"),  # cut by its budget
-                                      ("Left || Ri<|im_end|>", False, "Left || Ri"),  # never closed: to the end
-                                      ("</answer><|im_end|>", False, ""),
-                                      ("go right</think><answer>Right</answer><|im_end|>", True, "go right")]:
-        r1, r2 = enc("Up</answer><|im_end|>"), enc(response)
-        tokens = x1 + r1 + obs + r2 + enc("\n")
-        mask = [0] * len(x1) + [1] * len(r1) + [0] * len(obs) + [1] * len(r2) + [0]
-        x, z = rollout.reasoning_span(tok, tokens, mask, len(x1) + len(r1) + len(obs) + len(r2) - 1, think)
-        assert x == x1 + r1 + obs and tok.decode(z) == expected  # x: the whole conversation before the turn
-        x, z = rollout.reasoning_span(tok, tokens, mask, len(x1) + len(r1) - 1, False)
-        assert x == x1 and tok.decode(z) == "Up"
-
-
-def test_train_logs_collapse_metrics_and_plot_overlays_runs(tmp_path):
-    out = str(tmp_path / "run")
-    run_train(*TINY, "--env", "frozenlake", "--algo", "grpo", "--no-think", "--steps", "2", "--val-every", "0",
-              "--collapse-every", "1", "--out", out)
-    ms = read_metrics(out)
-    for m in ms:  # 2 groups x 2 rows: first_turn has one column per group, any_turn one per pair
-        assert m["collapse/first_turn/prompts"] == 2 and m["collapse/any_turn/prompts"] == m["collapse/any_turn/pairs"]
-        for v in ("first_turn", "any_turn"):
-            assert -1e-6 < m[f"collapse/{v}/mi"] + 1e-3 and m[f"collapse/{v}/mi"] <= m[f"collapse/{v}/mi_upper_bound"] + 1e-6
-            assert 0 <= m[f"collapse/{v}/retrieval_acc"] <= 1 and m[f"collapse/{v}/valid_rate"] > 0
-        assert "timing_s/collapse" in m
-    png = ev.plot_run(out, out, out=str(tmp_path / "ab.png"))  # two runs overlaid
-    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
-
-
-# ==================================================================================================
-# Issue 14: Countdown offline (env_countdown.py), FrozenLake success_rate, Coord presets (RAGEN-2)
-# ==================================================================================================
-import itertools  # noqa: E402
-from fractions import Fraction  # noqa: E402
-
-import env_countdown as CD  # noqa: E402
-
-NEW_PRESETS = ["Countdown", "CoordSokoban", "CoordFrozenLake", "CoordFrozenLakeDet"]
-
-
-def ragen_has_solution(nums, target):
-    """RAGEN countdown has_solution, as a plain loop: pad to 4 numbers with zeros, try all 16 sign vectors."""
-    padded = nums + [0] * (4 - len(nums))
-    return any(sum(s * n for s, n in zip(signs, padded)) == target for signs in itertools.product([1, -1], repeat=4))
-
-
-def test_countdown_generated_tasks_are_solvable():
-    env = CD.CountdownEnv(**CD.PRESETS["Countdown"]["kwargs"])
-    for seed in [*range(500), *range(10_000, 10_500)]:  # 500 validation and 500 training tasks
-        obs = env.reset(seed)
-        assert obs == f"Target: {env.target}, nums: {env.nums}"
-        assert len(env.nums) in (3, 4) and all(1 <= n <= 99 for n in env.nums) and 1 <= env.target <= 100
-        assert ragen_has_solution(env.nums, env.target)  # RAGEN keeps only these
-        expr = CD.solve(env.nums, env.target)            # brute force over + - * /, exact
-        assert expr is not None
-        assert env.step(expr) == ("Your answer get 1.0 points.", 1.0, True,
-                                  dict(action_is_valid=True, action_is_effective=True, success=True))
-
-
-def test_countdown_reward_hand_picked_answers():
-    nums, target = [44, 19, 35], 98  # the public set's first row
-    cases = [
-        ("44 + 19 + 35", 1.0), ("(44 + 35) + 19", 1.0), (" 35--19+44 ", 1.0), ("((44)) + (19 + (35))", 1.0),
-        ("44 * 19 / 35", 0.1), ("44 - 19 - 35", 0.1),            # right numbers, wrong value
-        ("44 + 19 + 35.", 0.1), ("44 ** 19 + 35", 0.1), ("44 + 19 35", 0.1), ("44 // 19 + 35", 0.1),  # not ours
-        ("44 + 19 + 35 = 98", 0.0), ("44 + 19", 0.0), ("44 + 19 + 36", 0.0), ("44 + 19 + 35 + 0", 0.0), ("", 0.0),
-        ("__import__('os')", 0.0), ("9**9**9", 0.0), ("(" * 10_000 + "44 + 19 + 35" + ")" * 10_000, 0.0),
-        ("1" * 100_000, 0.0), ("x" * 100_000, 0.0), ("44 + 19 + 35" + " " * 100_000, 0.0),  # over-long: not read
-        ("__import__('os').system('rm 44 19 35')", 0.1),  # right numbers, never executed
-        ("(" * 40 + "44 + 19 + 35" + ")" * 40, 0.1), ("(" * 30 + "44 + 19 + 35" + ")" * 30, 1.0),  # depth bound 32
-        ("-" * 40 + "44 + 19 + 35", 0.1),
-    ]
-    for answer, want in cases:
-        assert CD.score(answer, nums, target) == want, answer[:50]
-    assert CD.score("9**9**9", [9, 9, 9], 5) == 0.1  # right numbers: parsed, refused, never computed
-    assert CD.score("5 / (3 - 3)", [3, 3, 5], 5) == 0.1 and CD.score("5 + 3 - 3", [3, 3, 5], 5) == 1.0
-    assert CD.score("(3 / 3 - 1) / (3 - 3)", [3, 3, 1, 3, 3], 0) == 0.1  # 0/0 too
-    assert CD.evaluate("1 / 3 * 3") == 1 and CD.evaluate("7 / 2") == Fraction(7, 2)  # exact, no floats
-
-
-def test_countdown_episode_protocol():
-    env = CD.CountdownEnv()
-    with pytest.raises(RuntimeError):
-        env.step("1")
-    obs = env.reset(123)
-    assert env.render() == obs and env.actions() is None
-    assert env.step(None) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
-    out = env.step("1 + 2")  # any string is the one answer (RAGEN: always valid) and ends the episode
-    assert out[1:] == (0.0, True, dict(action_is_valid=True, action_is_effective=False, success=False))
-    assert out[0] == env.render() == "Your answer get 0.0 points."
-    assert env.step(CD.solve(env.nums, env.target)) == (out[0], 0.0, True,
-                                                        dict(action_is_valid=False, action_is_effective=False, success=False))
-    p = CD.PRESETS["Countdown"]
-    assert p["instruction"].startswith("You are solving the Countdown puzzle. You should use the num list to create")
-    assert p["instruction"].endswith("So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - 3</answer>")
-    assert (p["max_actions_per_traj"], p["max_turns"], p["max_actions_per_turn"], p["max_tokens"]) == (1, 1, 1, 100)
-
-
-def random_tree(rng, depth):
-    """(text, exact value or None on a division by zero) of a random expression, built by the test itself."""
-    if depth == 0 or rng.random() < 0.3:
-        n = rng.randint(0, 120)
-        return (f"-{n}", Fraction(-n)) if rng.random() < 0.1 else (str(n), Fraction(n))
-    (ta, a), (tb, b) = random_tree(rng, depth - 1), random_tree(rng, depth - 1)
-    op = rng.choice("+-*/")
-    value = None if a is None or b is None or (op == "/" and b == 0) else \
-        {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[op]()
-    sp = rng.choice(["", " ", "  "])
-    return f"({ta}{sp}{op}{sp}({tb}))", value
-
-
-def test_countdown_evaluator_matches_tree_values():
-    rng = random.Random(0)
-    for _ in range(3000):
-        text, value = random_tree(rng, rng.randint(0, 4))
-        if len(text) <= CD.MAX_ANSWER_CHARS:
-            assert CD.evaluate(text) == value, text
-    # precedence and associativity, hand-worked
-    for text, value in [("2 + 3 * 4", 14), ("2 * 3 + 4", 10), ("10 - 4 - 3", 3), ("48 / 4 / 2", 6), ("-3 * -2", 6),
-                        ("2 - (3 - 4)", 3), ("+-+5", -5), ("(1 + 2) * (3 + 4)", 21), ("6 / 4 * 2", 3)]:
-        assert CD.evaluate(text) == value, text
-    for text in ["", "()", "1 +", "* 2", "(1", "1)", "1 2", "1..2", "1e3", "0x10", "½", "٣ + 1", "1 ^ 2", "abs(1)"]:
-        assert CD.evaluate(text) is None, text
-
-
-def test_countdown_train_and_validation_never_share_a_task():
-    env = CD.CountdownEnv()
-    key = lambda seed: (env.reset(seed), (env.target, tuple(sorted(env.nums))))[1]
-    val = {key(s) for s in range(123, 123 + 1000)}                 # train.py --val-seed 123 and on
-    train = {key(s) for s in range(10_000, 10_000 + 2000)}         # train.py --seed 10000 and on
-    assert len(val) > 950 and len(train) > 1950 and not val & train
-    assert all(CD.is_val_task(t, list(n)) for t, n in val) and not any(CD.is_val_task(t, list(n)) for t, n in train)
-    other = CD.CountdownEnv()
-    for seed in (0, 123, 9_999, 10_000, 2**40):
-        assert other.reset(seed) == env.reset(seed)  # same seed, same task, from a fresh env
-
-
-def test_countdown_garbage_never_raises():
-    env, rng = CD.CountdownEnv(), random.Random(0)
-    garbage = ["", " ", "\n", "\x00", "1 || 2", "<answer>1</answer>", "\ud800", "🐉", "1" * 1_000_000, "(" * 300,
-               ")" * 300, "-" * 300, "1/" * 100 + "0", "((((((1", "9" * 250, "9" * 5000, "1e308 * 1e308"]
-    for _ in range(2000):  # random unicode mixed with digits and operators
-        garbage.append("".join(chr(rng.randrange(0x110000)) if rng.random() < 0.3 else rng.choice("0123456789+-*/() ")
-                               for _ in range(rng.randrange(40))))
-    for i, answer in enumerate(garbage):
-        env.reset(i % 7)
-        obs, reward, done, info = env.step(answer)
-        assert reward in (0.0, 0.1, 1.0) and done is True and info["action_is_valid"] is True
-        assert obs == f"Your answer get {reward} points." and info["success"] == (reward == 1.0)
-    for junk in (None, 3, b"1 + 2", ["1"]):
-        obs = env.reset(0)
-        assert env.step(junk) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
-
-
-def test_countdown_leaf_and_wiring():
-    code = "import sys, env_countdown; bad = {'torch', 'numpy', 'transformers'} & set(sys.modules); assert not bad, bad"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
-    assert ev.ENV_CLASSES["Countdown"][0] is CD.CountdownEnv and ev.preset_name("countdown") == "Countdown"
-    for name in NEW_PRESETS:
-        assert name in ev.ENV_CLASSES
-    src = open(os.path.join(HERE, "train.py")).read()  # train.py cannot be imported (it runs); check its lookup
-    assert "(env_countdown.CountdownEnv, env_countdown)" in src and '"countdown": "Countdown"' in src
-
-
-def test_coord_renders_hand_worked():
-    env = SokobanEnv(**SOKOBAN_PRESETS["CoordSokoban"]["kwargs"])
-    assert env.reset(10000) == (
-        "Coordinates: \nBoard size: 6 rows x 6 cols (zero-indexed).\n"
-        "Walls: (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 2), (1, 3), (1, 4), (1, 5), (2, 0), (2, 3), "
-        "(2, 4), (2, 5), (3, 0), (3, 3), (3, 4), (3, 5), (4, 0), (4, 4), (4, 5), (5, 0), (5, 1), (5, 2), (5, 3), (5, 4), "
-        "(5, 5)\nTargets: (1, 1)\nBoxes: (3, 1)\nPlayer: (4, 2)\n"
-        "Grid Map: \n######\n#O####\n#__###\n#X_###\n#_P_##\n######")  # the grid is RAGEN's seed-10000 room
-    obs = env.load("######\n#√_S_#\n#_X__#\n######")
-    assert obs.split("\n")[3:7] == ["Targets: (1, 1), (1, 3)", "Boxes: (2, 2)", "Boxes on target: (1, 1)",
-                                    "Player on target: (1, 3)"] and "\nPlayer: " not in obs
-    lake = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"])
-    assert lake.reset(10000) == ("Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (3, 1)\n"
-                                 "Goal: (3, 0)\nPlayer: (3, 1)\nHoles: (2, 3)\nGrid Map: \n____\n____\n___O\nGP__")
-    det = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLakeDet"]["kwargs"])
-    det.reset(10000)
-    assert det.step("Left")[0].split("\n")[4] == "Player on goal: (3, 0)"
-    det.load("_P__\n_O__\n____\n___G")
-    obs = det.step("Down")[0]
-    assert "Player in hole: (1, 1)\nHoles: (1, 1)\n" in obs and "Start" not in obs and obs.endswith("____\n_X__\n____\n___G")
-    for name, presets in (("CoordSokoban", SOKOBAN_PRESETS), ("CoordFrozenLake", FROZENLAKE_PRESETS)):
-        ins = presets[name]["instruction"]
-        assert "zero-indexed coordinates" in ins and "The meaning of each symbol" not in ins  # RAGEN-2: no legend
-        assert ins.endswith('</answer>.\n\nYour available actions are:\n' + ", ".join(presets is SOKOBAN_PRESETS and
-                            ["Up", "Down", "Left", "Right"] or ["Left", "Down", "Right", "Up"])
-                            + '\nYou can make up to 10 actions, separated by the action separator " || "\n')
-        assert (presets[name]["max_turns"], presets[name]["max_actions_per_turn"]) == (5, 2)  # RAGEN-2 base.yaml
-
-
-def test_frozenlake_success_rate():
-    # success_rate 1 on slippery ice = the non-slippery lake, step for step
-    det, plain = FrozenLakeEnv(success_rate=1.0), FrozenLakeEnv(is_slippery=False)
-    for seed in range(300):
-        assert det.reset(seed) == plain.reset(seed)
-        policy = random.Random(seed)
-        for _ in range(10):
-            a = policy.choice(["Left", "Down", "Right", "Up"])
-            assert det.step(a) == plain.step(a)
-    # success_rate s: intended with s, each perpendicular with (1 - s) / 2
-    for s in (0.6, 0.0):
-        counts = slip_counts(FrozenLakeEnv(success_rate=s), 2500)
-        n, want = sum(counts), [(1 - s) / 2, s, (1 - s) / 2]
-        assert n > 1200 and all(abs(k / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9 for k, p in zip(counts, want)), counts
-    with pytest.raises(ValueError):
-        FrozenLakeEnv(success_rate=1.5)
-
-
-def test_coord_frozenlake_lakes_are_ragen2s():
-    def ragen2_lake(seed):  # RAGEN-2 frozen_lake/utils.py generate_random_map, as a plain loop
-        rng = np.random.default_rng(seed)
-        while True:
-            board = [list(row) for row in rng.choice(["F", "H"], (4, 4), p=[0.8, 0.2])]
-            (sr, sc), (gr, gc) = rng.integers(4, size=2), rng.integers(4, size=2)
-            if (sr, sc) != (gr, gc):
-                board[sr][sc], board[gr][gc] = "S", "G"
-                if has_path(["".join(r) for r in board], (int(sr), int(sc))):
-                    return ["".join(r) for r in board]
-    coord, plain, differ = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"]), FrozenLakeEnv(), 0
-    for seed in range(600):
-        coord.reset(seed)
-        plain.reset(seed)
-        assert coord.desc == ragen2_lake(seed)
-        differ += coord.desc != plain.desc
-    assert 10 < differ < 80  # RAGEN-2 draws a new board when start == goal, RAGEN new cells: about 1 seed in 15
-
-
-@pytest.mark.parametrize("env", NEW_PRESETS)
-def test_two_step_run_on_new_presets(tmp_path, env):
-    out = str(tmp_path / "run")
-    run_train(*TINY, "--env", env, "--algo", "grpo", "--steps", "2", "--val-every", "0", "--out", out)
-    ms = read_metrics(out)
-    assert [m["step"] for m in ms] == [0, 1] and all("actor/pg_loss" in m for m in ms)
-    args = json.load(open(os.path.join(out, "args.json")))
-    assert args["max_actions_per_turn"] == {"Countdown": 1}.get(env, 2)  # from the preset (TINY sets --max-turns)
-
-
-# ==================================================================================================
-# Issue 13: model families (load_model's refusals and self-check, Qwen3's template) and LoRA (train.py)
-# ==================================================================================================
-
-# Qwen/Qwen3-0.6B tokenizer_config.json's chat_template with the tool branches removed
-QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
-{%- if ns.multi_step_tool and message.role == "user" %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}
-{%- endfor %}
-{%- for message in messages %}{%- set content = message.content %}
-{%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-{%- elif message.role == "assistant" %}{%- set reasoning_content = '' %}
-{%- if '</think>' in content %}
-{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-{%- set content = content.split('</think>')[-1].lstrip('\n') %}
-{%- endif %}
-{%- if loop.index0 > ns.last_query_index %}
-{%- if loop.last or (not loop.last and reasoning_content) %}
-{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
-{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
-{{- '<|im_end|>\n' }}
-{%- endif %}{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"""
-FAMILIES = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def save_family(path, arch):
-    model, tok = rollout.build_tiny(arch)
-    if arch == "qwen3":
-        tok.chat_template = QWEN3_TEMPLATE
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_each_family_samples_like_hf(tmp_path, arch):
-    model, tok = rollout.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
-    assert type(model).__name__ == FAMILIES[arch]
-    prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
-    ours, _ = rollout.generate(model, prompts, 16, greedy=True)
-    ids, mask = padded(prompts, left=True)
-    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
-                        eos_token_id=None)[:, ids.shape[1]:]
-    assert hf.tolist() == ours
-    toks, lps = rollout.generate(model, prompts, 12, temperature=0.7, seed=3)
-    for p, o, lp in zip(prompts, toks, lps):
-        x = torch.tensor([p + o])
-        assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x), 0.7)[0, len(p):], torch.tensor(lp), atol=1e-4)
-
-
-def test_qwen3_template_what_the_model_sees(tmp_path):
-    model, tok = rollout.load_model(save_family(tmp_path / "q3", "qwen3"))
-    head, gen, close, user_head = rollout.chat_pieces(tok)
-    assert gen == "<|im_end|>\n<|im_start|>assistant\n" and close == "<|im_end|>\n"  # no empty think block
-    answer = "<think>go right</think><answer>Right</answer>"
-    msgs = [{"role": "system", "content": rollout.SYSTEM}, {"role": "user", "content": "u1"},
-            {"role": "assistant", "content": answer}, {"role": "user", "content": "u2"}]
-    ours = head + "u1" + gen + answer + close + user_head + "u2" + gen
-    # Qwen3's own rendering drops the think block of earlier turns; the token stream keeps what was sampled
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == ours.replace("<think>go right</think>", "")
-    preset = SOKOBAN_PRESETS["SimpleSokoban"]
-    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(2)]
-    out = rollout.rollout(model, tok, envs, [3, 3], preset, group_size=2, max_turns=2, max_new_tokens=12, sample_seed=0)
-    check_consistent(out, tok, 2)
-
-
-@pytest.mark.parametrize("model_type,kw,message", [
-    ("gemma2", {}, "Gemma2ForCausalLM: the sampler does not implement logit soft-capping"),
-    ("mixtral", {}, "MixtralForCausalLM: the sampler does not implement MoE routing"),
-    ("qwen2", dict(use_sliding_window=True), "Qwen2ForCausalLM: the sampler does not implement sliding-window attention"),
-    ("mistral", dict(sliding_window=4096), "sliding-window attention"),
-    ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope type 'dynamic'"),
-    ("smollm3", {}, "SmolLM3ForCausalLM: the sampler does not implement model type 'smollm3'"),
-])
-def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message):
-    from transformers import AutoConfig
-    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=1, intermediate_size=64, **kw)
-    cfg.architectures = [{"gemma2": "Gemma2", "mixtral": "Mixtral", "qwen2": "Qwen2", "mistral": "Mistral",
-                          "llama": "Llama", "smollm3": "SmolLM3"}[model_type] + "ForCausalLM"]
-    cfg.save_pretrained(tmp_path)  # no weights: refused from config.json before any is read
-    with pytest.raises(ValueError, match=message) as e:
-        rollout.load_model(str(tmp_path))
-    assert "\n" not in str(e.value)
-
-
-def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeypatch):
-    """The bug of issue 13: a sampler without Qwen3's q_norm / k_norm. It must be refused at load time."""
-    real = rollout.forward_cached
-
-    def skipping(model, *a):
-        attns = [layer.self_attn for layer in model.model.layers]
-        saved = [(x.q_norm, x.k_norm) for x in attns]
-        for x in attns:
-            x.q_norm = x.k_norm = torch.nn.Identity()
-        try:
-            return real(model, *a)
-        finally:
-            for x, (q, k) in zip(attns, saved):
-                x.q_norm, x.k_norm = q, k
-
-    path = save_family(tmp_path / "q3", "qwen3")
-    monkeypatch.setattr(rollout, "forward_cached", skipping)
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
-        rollout.load_model(path)
-
-
-def test_smollm2_passes_the_self_check():
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "starpo", "smollm2")
-    if not os.path.isdir(cache):
-        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; rollout.load_model('smollm2')\")")
-    model, tok = rollout.load_model("smollm2")  # raises if the sampler's logits differ from HF's
-    assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
-
-
-LORA = [*TINY, "--env", "sokoban", "--algo", "ppo", "--lora-rank", "4", "--kl-coef", "0.01", "--lr", "1e-2",
-        "--critic-lr", "1e-2", "--val-every", "0"]
-
-
-def test_lora_errors_name_their_cause(tmp_path):
-    # an install whose peft is older than transformers' LoRA integration needs: the real cause, in one line
-    (tmp_path / "sitecustomize.py").write_text(
-        "import importlib.metadata as md\n_v = md.version\n"
-        "md.version = lambda name: '0.1.0' if name == 'peft' else _v(name)\n")
-    env = dict(train_env(), PYTHONPATH=str(tmp_path))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *LORA, "--steps", "1", "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
-    said = r.stdout + r.stderr
-    assert r.returncode == 2 and "Traceback" not in said, said[-2000:]
-    assert "peft 0.1.0" in said and "transformers 5." in said and "--lora-target" not in said, said
-    r = run_train(*LORA, "--lora-target", "no_such_proj", "--steps", "1", "--out", str(tmp_path / "t"), check=False)
-    said = r.stdout + r.stderr
-    assert r.returncode == 2 and "--lora-target 'no_such_proj'" in said and "Traceback" not in said, said[-2000:]
-
-
-def test_lora_run_resume_two_ranks_and_export(tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    full, part, two = str(tmp_path / "full"), str(tmp_path / "part"), str(tmp_path / "two")
-    flags = [*LORA, "--save-every", "1", "--save-adapter"]
-    run_train(*flags, "--steps", "2", "--out", full)
-    run_train(*flags, "--steps", "1", "--out", part)
-    run_train(*flags[:-1], "--steps", "2", "--resume", part)  # an output-only flag may change on a resume
-    run_train(*flags, "--steps", "2", "--out", two, torchrun=2)
-    a, b, c = read_metrics(full), read_metrics(part), read_metrics(two)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [m["step"] for m in c] == [0, 1]
-    for x, y, z in zip(a, b, c):
-        x, y = comparable(x), comparable(y)
-        assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6) for k in x), x
-        for k in ("train/SimpleSokoban/score", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm"):
-            assert x[k] == pytest.approx(z[k], rel=1e-3, abs=1e-5), k
-    # the rollout copy samples with the merged adapter (sampler log-probs == the peft actor's, on 1 and 2 ranks)
-    # while the policy moved away from the reference (the base: the actor with its adapter off)
-    assert all(m["rollout/sampler_logp_abs_diff"] < 1e-5 for m in a + c) and abs(a[1]["actor/kl_loss"]) > 1e-4
-    ck = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (full, part, two)]
-    assert os.path.isdir(os.path.join(full, "hf", "adapter")) and not os.path.exists(os.path.join(part, "hf", "adapter"))
-    assert all(".lora_" in k for k in ck[0]["actor"])  # the checkpoint holds adapters (+ the critic head), no base
-    assert {k for k in ck[0]["critic"] if ".lora_" not in k} == {"head.weight", "head.bias"}
-    for other, tol in ((ck[1], 1e-6), (ck[2], 1e-4)):
-        assert ck[0]["actor"].keys() == other["actor"].keys()
-        assert max((ck[0]["actor"][k] - other["actor"][k]).abs().max().item() for k in ck[0]["actor"]) < tol
-    # the export: merged weights that from_pretrained loads, equal to base + adapter through peft's own forward
-    merged = AutoModelForCausalLM.from_pretrained(os.path.join(full, "hf"))
-    adapted = PeftModel.from_pretrained(rollout.build_tiny("llama")[0], os.path.join(full, "hf", "adapter"))
-    x = torch.tensor([[5, 80, 81, 82, 83, 9]])
-    with torch.no_grad():
-        lm, la, lb = merged(x).logits, adapted(x).logits, rollout.build_tiny("llama")[0](x).logits
-    assert torch.allclose(lm, la, atol=1e-5) and (lm - lb).abs().max() > 1e-3
-
-
-# ==================================================================================================
-# Issue 11: RAGEN-2's filter strategies, estimators, batch adjust, context windows, env mixing, early stops
-# ==================================================================================================
-
-def slow_select(values, G, value, kind, strategy, include_zero=True, mode="linear", eps=0.01):
-    """RAGEN-2 rollout_filter._select_top_groups in plain Python (ties: lower group index): kept group indices."""
-    groups = [values[i:i + G] for i in range(0, len(values), G)]
-    s = [(statistics.stdev(g) if len(g) > 1 else 0.0) if kind.startswith("std") else sum(g) / len(g) for g in groups]
-    largest = not kind.endswith("_rev")
-    cand = [i for i in range(len(s)) if include_zero or abs(s[i]) > 1e-10]
-    order = sorted(cand, key=lambda i: (-s[i] if largest else s[i], i))
-    if strategy in ("top_k", "top_k_abs"):
-        return set(order[:max(1, int(value * len(s)) if strategy == "top_k" else int(value))])
-    if strategy == "top_p" and value >= 1:
-        return set(order)
-    if strategy == "top_p" and mode == "softmax":
-        z = [math.exp(s[i] if largest else -s[i]) for i in order]
-        for j in range(len(order)):
-            if sum(z[:j + 1]) / sum(z) >= value:
-                return set(order[:j + 1])
-        return set(order)
-    if strategy == "top_p":
-        target, total, n = value * sum(s[i] for i in cand) - eps, 0.0, 0
-        for i in order:
-            if total >= target or s[i] <= 0:
-                break
-            total, n = total + s[i], n + 1
-        return set(order[:n]) if total >= target else set()
-    if not cand:
-        return set()
-    if largest:
-        return {i for i in cand if s[i] >= value * max(s[j] for j in cand) - 1e-10}
-    return {i for i in cand if s[i] <= min(s[j] for j in cand) / (value + 1e-10) + 1e-10}
-
-
-def kept_groups(values, G, *a, **kw):
-    keep, st = starpo.filter_groups(torch.tensor(values), G, *a, **kw)
-    return set(keep.view(-1, G)[:, 0].nonzero().squeeze(1).tolist()), st
-
-
-def test_filter_strategies_hand_worked():
-    stat = [3.0, 1.0, 0.0, 2.0]  # groups of one, ranked by their mean: the statistic is the value itself
-    assert kept_groups(stat, 1, 0.5, "mean", "top_p")[0] == {0}        # target 0.5*6-0.01: 3 reaches it
-    assert kept_groups(stat, 1, 0.9, "mean", "top_p")[0] == {0, 3, 1}  # target 5.39: 3+2+1
-    assert kept_groups([0.0] * 4, 1, 0.9, "mean", "top_p")[0] == set()  # all zero: target -0.01 is met by nothing
-    assert kept_groups([-1.0, 2.0], 1, 0.5, "mean_rev", "top_p")[0] == set()  # smallest first is <= 0: stop, unmet
-    assert kept_groups(stat, 1, 1.0, "mean", "top_p")[0] == {0, 1, 2, 3}
-    # softmax: e^2 / (e^2 + 2) = 0.787 reaches 0.5 alone; 0.9 needs all three (0.787 + 0.106 = 0.894 < 0.9)
-    assert kept_groups([2.0, 0.0, 0.0], 1, 0.5, "mean", "top_p", top_p_mode="softmax")[0] == {0}
-    assert kept_groups([2.0, 0.0, 0.0], 1, 0.9, "mean", "top_p", top_p_mode="softmax")[0] == {0, 1, 2}
-    assert kept_groups([4.0, 2.0, 1.9, 0.0], 1, 0.5, "mean", "min_p")[0] == {0, 1}       # >= 0.5 * 4
-    assert kept_groups([1.0, 2.0, 3.0], 1, 0.5, "mean_rev", "min_p")[0] == {0, 1}        # <= 1 / 0.5
-    assert kept_groups([1.0, 2.0, 2.0, 0.0], 1, 2, "mean", "top_k_abs")[0] == {1, 2}
-    assert kept_groups([1.0, 2.0, 2.0, 0.0], 1, 1, "mean", "top_k_abs")[0] == {1}        # tie: lower index
-    # include_zero=False: zero-std groups go first; top_k still counts all 4 groups (int(0.5 * 4) = 2)
-    s = [1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # stds 0, 0, 0, 2.12
-    assert kept_groups(s, 2, 0.5, "std", "top_k", include_zero=False)[0] == {3}
-    assert kept_groups(s, 2, 0.5, "std", "top_k")[0] == {3, 0}
-    got, st = kept_groups(s[:6], 2, 0.5, "std", "top_k", include_zero=False)  # nothing left: empty, stats 0
-    assert got == set() and st["chosen_in_group_std"] == 0.0 and st["chosen_in_group_mean"] == 0.0
-    with pytest.raises(ValueError):
-        starpo.filter_groups(torch.tensor(s), 2, 0.5, "std", "top_q")
-
-
-def test_filter_strategies_match_plain_python():
-    rng = random.Random(11)
-    cases = 0
-    for G in (1, 2, 4):  # exact binary means and variances: float32 and float64 rank the groups the same
-        for num_groups in (1, 3, 6):
-            for _ in range(3):
-                values = [rng.choice([-1.0, 0.0, 0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(G * num_groups)]
-                for kind in ("std", "std_rev", "mean", "mean_rev"):
-                    for strategy, value, mode in (("top_k", 0.25, "linear"), ("top_k", 0.5, "linear"), ("top_k_abs", 2, "linear"),
-                                                  ("top_p", 0.5, "linear"), ("top_p", 0.9, "linear"), ("top_p", 0.9, "softmax"),
-                                                  ("top_p", 0.5, "softmax"), ("top_p", 1.0, "linear"), ("min_p", 0.3, "linear"),
-                                                  ("min_p", 0.7, "linear")):
-                        for include_zero in (True, False):
-                            want = slow_select(values, G, value, kind, strategy, include_zero, mode)
-                            got = kept_groups(values, G, value, kind, strategy, include_zero, mode)[0]
-                            assert got == want, (values, G, value, kind, strategy, include_zero, mode)
-                            cases += 1
-    assert cases == 3 * 3 * 3 * 4 * 10 * 2
-
-
-def slow_group_advantages(scores, ids, kind, eps=1e-6):
-    """veRL core_algos' id2score loops in plain Python."""
-    by = {}
-    for s, i in zip(scores, ids):
-        by.setdefault(i, []).append(s)
-    out = []
-    for s, i in zip(scores, ids):
-        xs, n = by[i], len(by[i])
-        mean, std = (sum(xs) / n, statistics.stdev(xs)) if n > 1 else (0.0, 1.0)
-        out.append((s - mean) / (std + eps) if kind == "grpo" else
-                   (s * n / (n - 1) - mean * n / (n - 1) if n > 1 else s) if kind == "rloo" else s - mean)
-    return out
-
-
-@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"])
-def test_group_advantages_match_verl_loops(kind):
-    # groups of 3, 2 (a tie), 1 (singleton) and 4 (constant), labelled out of order
-    scores = [1.0, 0.0, 0.0, 0.5, 0.5, 3.0, 2.0, 2.0, 2.0, 2.0, 0.7, -0.3]
-    ids = [5, 5, 5, 2, 2, 9, 7, 7, 7, 7, 1, 1]
-    got = starpo.group_advantages(torch.tensor(scores), torch.tensor(ids), kind)
-    assert close(got, slow_group_advantages(scores, ids, kind), 1e-5)
-    assert torch.equal(got[6:10], torch.zeros(4)) and torch.equal(got[3:5], torch.zeros(2))  # constant groups: 0
-    if kind == "rloo":  # the score minus the mean of the others: 1 - 0, 0 - 0.5
-        assert close(got[:3], [1.0, -0.5, -0.5])
-    assert starpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), kind).shape == (0,)
-
-
-def test_reinforce_pp_returns_carry_across_observations():
-    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 0.0, 0.0]])  # [2, 5]
-    mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]])  # row 0: an observation token at 1, padding at 4
-    adv, ret = starpo.reinforce_pp_advantages(rewards, mask, gamma=0.5)
-    # row 0 backwards: t3 1, t2 .5, t1 (mask 0) no step: 0 and .5 carried, t0 .25; row 1: .5 at t2, .25, .125
-    assert close(ret[0], [0.25, 0.0, 0.5, 1.0, 0.0]) and close(ret[1], [0.125, 0.25, 0.5, 0.0, 0.0])
-    on = [0.25, 0.5, 1.0, 0.125, 0.25, 0.5]  # the masked returns, whitened with an unbiased variance
-    mu, var = sum(on) / 6, sum((x - sum(on) / 6) ** 2 for x in on) / 5
-    want = [[(x - mu) / math.sqrt(var + 1e-8) * m for x, m in zip(r, mr)] for r, mr in zip(ret.tolist(), mask.tolist())]
-    assert close(adv, want, 1e-5)
-
-
-def test_constant_groups_have_exactly_zero_std():
-    # x - mean(x) is not 0 in fp32 for a constant group of 0.1 or -0.1 (the mean rounds), so a shifted formula
-    # is needed: RAGEN-2's torch.std gives exactly 0, and its include_zero=False drops such groups
-    for v in (-0.1, 0.9, 0.1, 1 / 3, -0.3, 1e6 + 0.1):
-        for n in (2, 3, 5, 8, 16):
-            x = torch.full((n,), v, dtype=torch.float32)
-            assert starpo._group_std(x).item() == 0.0, (v, n)
-            assert starpo._group_std(x.view(1, n).expand(3, n)).eq(0).all()
-    s = [-0.1] * 8 + [0.9] * 8 + [0.0, 1.0] * 4 + [0.1] * 8  # three constant groups, one spread
-    for strategy, mode in (("top_p", "softmax"), ("top_p", "linear"), ("top_k", "linear"), ("min_p", "linear")):
-        got = kept_groups(s, 8, 0.9 if strategy != "top_k" else 0.25, "std", strategy, include_zero=False,
-                          top_p_mode=mode)[0]
-        assert got == {2}, (strategy, mode, got)
-    assert kept_groups([0.1] * 4 + [0.9] * 4, 4, 0.5, "std", "top_k")[0] == {0}  # all zero: the lower index
-
-
-def test_seq_mean_aggregation_counts_only_rows_with_a_loss_token():
-    x = torch.tensor([[1.0, 2.0, 0.0], [5.0, 5.0, 5.0], [3.0, 0.0, 0.0]])  # [3, 3]
-    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])  # row 1 has no loss token
-    # veRL agg_loss: the per-row token sums (3, 3) or token means (1.5, 3), averaged over the 2 rows that have one
-    assert starpo.aggregate(x, mask, "seq-mean-token-sum").item() == 3.0
-    assert starpo.aggregate(x, mask, "seq-mean-token-mean").item() == 2.25
-    assert starpo.aggregate(x, mask, "seq-mean-token-sum", seq_count=3).item() == 2.0  # a global count wins
-    assert starpo.aggregate(x, torch.zeros_like(mask), "seq-mean-token-sum").item() == 0.0  # never NaN
-
-
-def test_adjust_rows_copy_delete():
-    g = lambda: torch.Generator().manual_seed(3)
-    assert torch.equal(starpo.adjust_rows(8, 4, "copy", g()), torch.arange(8))  # already a multiple: no-op
-    c = starpo.adjust_rows(9, 4, "copy", g())
-    assert len(c) == 12 and torch.equal(c[:9], torch.arange(9)) and len(set(c[9:].tolist())) == 3  # no repeats
-    assert torch.equal(c, starpo.adjust_rows(9, 4, "copy", g()))  # the same draw from the same seed (every rank)
-    assert starpo.adjust_rows(1, 4, "copy", g()).tolist() == [0, 0, 0, 0]  # fewer rows than needed: with replacement
-    d = starpo.adjust_rows(9, 4, "delete", g())
-    assert len(d) == 8 and d.tolist() == sorted(d.tolist()) and set(d.tolist()) < set(range(9))
-    assert len(starpo.adjust_rows(3, 4, "delete", g())) == 0  # fewer rows than the multiple: nothing left
-    assert len(starpo.adjust_rows(0, 4, "copy", g())) == 0
-    with pytest.raises(ValueError):
-        starpo.adjust_rows(5, 4, "pad", g())
-
-
-def test_std_collapsed_hand_worked():
-    base = [1.0, 0.5, 1.5] + [1.0] * 7  # mean 1: the threshold is 0.1
-    assert not starpo.std_collapsed(base + [0.05] * 9)           # only 9 later steps
-    assert starpo.std_collapsed(base + [0.05] * 10)
-    assert starpo.std_collapsed(base + [0.5] + [0.05] * 10)      # the last 10 count, not all the later ones
-    assert not starpo.std_collapsed(base + [0.05] * 9 + [0.1])   # 0.1 is not under 0.1
-    assert not starpo.std_collapsed([0.0] * 20)                  # a zero baseline never collapses
-
-
-def windowed_rollout(model, tok, **kw):
-    preset = SOKOBAN_PRESETS["SimpleSokoban"]
-    envs = [SokobanEnv(**preset["kwargs"]) for _ in range(4)]
-    return rollout.rollout(model, tok, envs, [3, 3, 8, 8], preset, group_size=2, max_turns=3, max_new_tokens=16,
-                           sample_seed=0, **kw)
-
-
-def test_limited_multi_turn_rows_are_the_full_rollouts_prefixes(tiny):
-    model, tok = tiny
-    full, lmt = windowed_rollout(model, tok), windowed_rollout(model, tok, window_mode="limited_multi_turn")
-    assert full["episode"].tolist() == [0, 1, 2, 3] and lmt["episode"].tolist() == [0, 1, 2, 3] * 3  # turn by turn
-    for r, b in enumerate(lmt["episode"].tolist()):
-        L, turn = int(lmt["attention_mask"][r].sum()), r // 4
-        assert torch.equal(lmt["tokens"][r, :L], full["tokens"][b, :L])  # the same tokens, cut after this turn
-        spans = [(i, j) for i, j in zip([0] + full["turn_ends"][b], full["turn_ends"][b])]
-        # the loss covers this turn's answer only: the full rollout's mask between the previous and this turn end
-        want = full["loss_mask"][b, :L].clone()
-        want[:spans[turn][0] + (turn > 0)] = False
-        assert torch.equal(lmt["loss_mask"][r, :L], want) and lmt["turn_ends"][r] == [full["turn_ends"][b][turn]]
-    assert lmt["scores"].tolist() == full["scores"].tolist() and lmt["stats"]["context_rebuilds"].sum() == 0
-
-
-@pytest.mark.parametrize("mode", ["full", "limited_multi_turn", "single_turn"])
-def test_context_window_rebuilds_the_kv_row(tiny, mode):
-    model, tok = tiny
-    a = windowed_rollout(model, tok, window_mode=mode, window=1)
-    b = windowed_rollout(model, tok, window_mode=mode, window=1, kv_reuse=False)  # a fresh prefill every turn
-    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-4)
-    m = a["loss_mask"]
-    assert torch.allclose(teacher_forced_logp(model, a["tokens"], a["attention_mask"])[m], a["old_logp"][m], atol=1e-4)
-    assert a["stats"]["context_rebuilds"].tolist() == [2.0] * 4  # turns 2 and 3 drop the turn before
-    full = windowed_rollout(model, tok)
-    assert (a["stats"]["prefill_tokens"] > full["stats"]["prefill_tokens"]).all()
-    text = tok.decode(a["tokens"][-1][a["attention_mask"][-1]])  # the last row: turn 3 of its episode, alone
-    assert "\nTurn 3:\n" in text and "\nTurn 2:\n" not in text and "\nTurn 1:\n" not in text and "Summary:" not in text
-    assert len(a["episode"]) == (4 if mode == "full" else 12)
-
-
-def test_single_turn_retells_the_window_as_text(tiny):
-    model, tok = tiny
-    out = windowed_rollout(model, tok, window_mode="single_turn", window=2)
-    last = tok.decode(out["tokens"][-1][out["attention_mask"][-1]])  # turn 3 shows turn 2 retold, then turn 3
-    assert last.count("<|im_start|>user") == 1 and "Showing the last 1 turn(s)" in last and "Summary: 2 step(s)" in last
-    r = out["responses"][3][1]
-    assert f"Turn 2 Reward: {r['reward'] + (-0.1 if r['penalized'] else 0.0)}\n" in last and "Turn 1 State" not in last
-    assert out["stats"]["context_rebuilds"].tolist() == [2.0] * 4
-
-
-R2 = [*TINY, "--collapse-every", "0", "--val-every", "0", "--steps", "2"]
-
-
-@pytest.mark.parametrize("flags", [
-    ["--algo", "drgrpo", "--env", "SimpleSokoban:2", "FrozenLake:2", "--filter-strategy", "top_p", "--filter-ratio", "0.5",
-     "--filter-metric", "length", "--context-window-mode", "limited_multi_turn", "--max-context-window", "1",
-     "--batch-adjust", "delete", "--val-every", "2"],
-    ["--algo", "rloo", "--env", "frozenlake", "--filter-strategy", "top_p", "--filter-top-p-mode", "softmax",
-     "--filter-ratio", "0.6", "--filter-metric", "entropy", "--context-window-mode", "single_turn"],
-    ["--algo", "reinforce_pp_baseline", "--env", "sokoban", "--filter-strategy", "top_k_abs", "--filter-ratio", "1",
-     "--filter-metric", "entropy_std", "--filter-loss-scaling", "sqrt", "--max-context-window", "1", "--collapse-every", "1"],
-])
-def test_two_step_run_ragen2_algos_filters_and_windows(tmp_path, flags):
-    out = str(tmp_path / "run")
-    run_train(*R2, *flags, "--out", out)
-    ms, args = read_metrics(out), json.load(open(os.path.join(out, "args.json")))
-    assert [m["step"] for m in ms][:2] == [0, 1] and all(m["train/batch_size"] % 4 == 0 for m in ms[:2])
-    assert all("actor/pg_loss" in m for m in ms[:2] if m["train/batch_size"])
-    assert args["loss_agg"] == ("seq-mean-token-sum" if "drgrpo" in flags else "token-mean")
-    assert not any(k.startswith("collapse/") for m in ms for k in m)  # windowed rows are not whole episodes: no MI
-    if "FrozenLake:2" in flags:  # env mixing: metrics per preset, validation on both, 8 episodes x 2 turns = 16 rows
-        assert {"train/SimpleSokoban/success", "train/FrozenLake/success", "val-env/FrozenLake/success"} <= set(ms[0]) | set(ms[-1])
-        assert args["env_mix"] == [["SimpleSokoban", 2], ["FrozenLake", 2]] and ms[0]["rollout/length/in_group_mean"] > 0
-
-
-def test_varying_kept_count_under_torchrun_matches_one_process(tmp_path):
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    flags = [*R2, "--env", "frozenlake", "--algo", "reinforce_pp", "--num-groups", "4", "--group-size", "3",
-             "--filter-strategy", "min_p", "--filter-ratio", "0.9", "--filter-metric", "length", "--lr", "1e-3"]
-    run_train(*flags, "--out", one)
-    run_train(*flags, "--out", two, torchrun=2)
-    a, b = read_metrics(one), read_metrics(two)
-    assert [m["train/real_batch_size"] for m in a] == [m["train/real_batch_size"] for m in b]
-    assert any(m["train/real_batch_size"] % 4 for m in a)  # 3-row groups: the copy adjust had work to do
-    for x, y in zip(a, b):
-        assert x["train/batch_size"] == y["train/batch_size"] and x["train/batch_size"] % 4 == 0
-        for k in ("rollout/kept_fraction", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
-
-
-def test_empty_steps_are_skipped_then_stop(tmp_path):
-    # the tiny model never answers well, so every group has std 0 and linear top_p keeps nothing
-    out = str(tmp_path / "run")
-    r = run_train(*R2, "--env", "bandit", "--algo", "grpo", "--filter-strategy", "top_p", "--filter-ratio", "0.9",
-                  "--steps", "5", "--empty-stop-steps", "2", "--max-turns", "1", "--max-new-tokens", "4", "--out", out)
-    ms = read_metrics(out)
-    assert [m["step"] for m in ms] == [0, 1] and [m["rollout/consecutive_empty_steps"] for m in ms] == [1, 2]
-    assert ms[1]["early_stopped/empty_filtered_steps"] == 1 and "actor/pg_loss" not in ms[0]
-    assert "stopping early: 2 steps in a row had nothing to train" in r.stdout
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    assert ckpt["step"] == 1
-    # an empty step measures no entropy: it must not enter the early level as 0 (that would hide a later fall)
-    assert ckpt["monitor"]["early_entropy"] == [] and len(ckpt["monitor"]["early_std"]) == 2
-
-
-def test_early_stop_on_validation_success(tmp_path):
-    out = str(tmp_path / "run")
-    r = run_train(*R2, "--env", "bandit", "--early-stop", "--val-every", "1", "--steps", "8", "--max-turns", "1",
-                  "--max-new-tokens", "4", "--out", out)
-    ms = read_metrics(out)
-    assert [m["step"] for m in ms] == [0, 1, 2, 3, 4] and ms[-1]["early_stopped/low_validation_success"] == 1
-    assert "val-env/Bandit/success under 0.01 at 5 validations in a row" in r.stdout
-    assert not any(m["step"] == 8 for m in ms)  # no final validation after a stop
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--env", "SimpleSokoban:2", "FrozenLake"], "give each a positive group count"),
-    (["--context-window-mode", "single_turn", "--turn-rewards"], "--turn-rewards and --bi-level-gae need whole episodes"),
-])
-def test_ragen2_bad_flags_one_line(flags, message):
-    r = run_train(*TINY, "--steps", "1", *flags, check=False)
-    assert r.returncode != 0 and message in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
-
-
-# ==================================================================================================
-# Issue 15: a newcomer's first ten minutes (--demo, progress, next steps, --help)
-# ==================================================================================================
-
-def test_demo_preset_runs_with_the_tiny_model_and_flags_override_it(tmp_path):
-    out = str(tmp_path / "demo")
-    r = run_train("--lr", "1e-3", "--demo", "--model", "tiny", "--steps", "2", "--val-every", "2", "--val-groups", "4",
-                  "--out", out)
-    args = json.load(open(os.path.join(out, "args.json")))
-    assert (args["env"], args["algo"], args["reward_norm"], args["no_think"]) == ("BanditTest", "grpo", "mean", True)  # the preset
-    assert (args["model"], args["lr"], args["steps"], args["val_groups"]) == ("tiny", 1e-3, 2, 4)  # given flags win, before or after --demo
-    demo_line = next(l for l in r.stdout.splitlines() if l.startswith("--demo = python train.py --model smollm2 "))
-    assert demo_line.endswith(f" --lr 1e-3 --model tiny --steps 2 --val-every 2 --val-groups 4 --out {out}")
-    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
-    assert "held-out validation, 4 seeds per preset, step 0 -> 2:\n  BanditTest: success " in r.stdout
-    assert os.path.exists(os.path.join(out, "curves.png")) and f"curves: {os.path.join(out, 'curves.png')}" in r.stdout
-
-
-def test_progress_names_each_phase_and_the_end_says_what_next(tmp_path):
-    out = str(tmp_path / "run")
-    r = run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--ppo-epochs", "2", "--steps", "1", "--val-every", "1",
-                  "--out", out)
-    for line in ["step 0: validation SimpleSokoban turn 2/2", "step 0: rollout SimpleSokoban turn 1/2",
-                 "step 0: rollout SimpleSokoban turn 2/2", "step 0: collapse diagnostics", "step 0: old log-probs",
-                 "step 0: reference log-probs and values", "step 0: update mini-batch 1/2", "step 0: update mini-batch 2/2",
-                 "step 0: checkpoint"]:
-        assert line in r.stderr, line  # tqdm writes to stderr
-    assert r.stdout.index("loading --model tiny") < r.stdout.index("final validation: ['SimpleSokoban'], 2 seeds each")
-    for line in ["held-out validation, 2 seeds per preset, step 0 -> 1:", f"run directory {out}:",
-                 f"curves: python eval.py --plot {out}", f"--resume {out}", f"next: python eval.py --model {out}"]:
-        assert line in r.stdout, line
-    assert not os.path.exists(os.path.join(out, "curves.png"))  # drawn by --demo only
-
-
-def test_help_is_grouped_and_shows_defaults():
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--help"], capture_output=True, text=True,
-                       cwd=HERE, env=dict(os.environ, COLUMNS="200"), timeout=120)
-    assert r.returncode == 0, r.stderr
-    titles = [l[:-1] for l in r.stdout.splitlines() if l.endswith(":") and not l.startswith(" ")]
-    assert titles[-7:] == ["environment and agent loop", "model", "batch sizes", "algorithm", "optimisation", "validation", "run"]
-    for text in ["--filter-ratio FILTER_RATIO", "(default: 0.25)", "(default: 1e-06)", "--demo", "(default: ['sokoban'])"]:
-        assert text in r.stdout, text
-
-
-# ==================================================================================================
-# Memory plan and the update's memory path (memplan.py, train.py --plan)
-# ==================================================================================================
-
-def tiny_config():
-    return rollout.build_tiny("llama")[0].config
-
-
-def test_memory_plan_hand_computed_for_an_untied_config():
-    # d 8, I 12, 2 layers, 2 heads of 4 on 1 KV head, vocab 20, untied: every part by hand, on 2 ranks, bf16, PPO
-    # with a reference model, 4 rows rolled out, mini-batch 4 in micro-batches of 1, 10-token conversations
-    import memplan
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=20, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    # the parameter counts the plan is built on, against the model: linear 8*(8+4+4) + 8*8 + 3*8*12 = 480 per layer,
-    # + biases 4+4+8 and norms 16 = 512; root 2 embeddings of 20*8 + final norm 8 = 328; P = 2*512 + 328 = 1352
-    a = model.model.layers[0]
-    linear = sum(m.weight.numel() for m in (a.self_attn.q_proj, a.self_attn.k_proj, a.self_attn.v_proj, a.self_attn.o_proj,
-                                            a.mlp.gate_proj, a.mlp.up_proj, a.mlp.down_proj))
-    assert (linear, sum(p.numel() for p in a.parameters()), sum(p.numel() for p in model.parameters())) == (480, 512, 1352)
-    plan = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=True, ref=True, bf16=True)
-    want = dict(weights=4 * 1352 / 2, grads=4 * 1352 / 2, adamw=8 * 1352 / 2,
-                critic=16 * (1352 - 160 + 8 + 1) / 2,          # the trunk: no lm_head, + value head (8 + 1)
-                reference=4 * 1352 / 2, rollout_copy=2 * 1352, lora_base=0,
-                kv_pool=2 * 2 * (4 // 2) * 1 * 128 * 4 * 2,   # layers x K,V x rows per rank x KV heads x 128 slots x D x bf16
-                # bf16 autocast per token per layer 26*8 + 8 + 4*8 + 4*4 + 4*2 + 8*12 = 368, outside 12*8 + 8 = 104
-                activations=(2 * 368 + 104) * 10, recompute=0,
-                weight_casts=2 * (328 + 2 * 512),             # bf16 root (both embeddings) + two blocks, all-gathered
-                # bf16 grads + fp32 reduce-scatter input of root + two blocks, + 2 micro-batches per rank: fp32 unsharded
-                grad_buffers=(2 + 4) * (328 + 2 * 512) + 4 * 1352,
-                logprob_chunk=4 * 10 * 20 * 4,                # 10 positions (< the 256 chunk) x vocab 20, four fp32 tensors
-                logprob_backward=2 * 10 * 20 * 4 + 2 * 160)   # two fp32 gradients of the chunk + lm_head's bf16 weight grad
-    want["total"] = sum(want.values())
-    assert plan == pytest.approx(want) and want["total"] == 63768
-    # one process, fp32, no critic: no rollout copy, no FSDP buffers, no casts
-    one = memplan.plan_memory(cfg, world=1, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=False)
-    assert one["rollout_copy"] == one["grad_buffers"] == one["weight_casts"] == one["critic"] == 0
-    # LoRA rank 2 on 2 ranks: adapters 2*(7*8 + 2*8 + 2*4 + 3*12) = 232 per layer train; the base of the adapted
-    # weights (480 per layer) is gathered once in bf16 for the rollout copy
-    lora = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=True, lora_rank=2)
-    assert (lora["grads"], lora["adamw"], lora["lora_base"]) == (4 * 464 / 2, 8 * 464 / 2, 2 * 2 * 480)
-
-
-def test_plan_prints_the_parts_and_exits_without_training(tmp_path):
-    out = str(tmp_path / "run")
-    r = run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--kl-coef", "0.1", "--plan", "2", "--out", out)
-    for part in ("weights", "critic", "reference", "rollout_copy", "kv_pool", "activations", "weight_casts",
-                 "grad_buffers", "logprob_chunk", "logprob_backward", "total"):
-        assert f"  {part} " in r.stdout, part
-    assert "2 ranks" in r.stdout and "loading --model" not in r.stdout
-    assert not os.path.exists(os.path.join(out, "metrics.jsonl")) and not os.path.exists(os.path.join(out, "ckpt.pt"))
-
-
-def test_train_refuses_a_plan_that_does_not_fit_and_names_the_flags_that_would(tmp_path):
-    import memplan
-    kw = dict(world=1, rows=4, mini=4, micro=2, seq=3600, critic=True, bf16=False)
-    with_ckpt, without = (memplan.plan_memory(tiny_config(), ckpt=c, **kw)["total"] for c in (True, False))
-    gb = (with_ckpt + without) / 2 / memplan.HEADROOM / 2**30  # a card between the two
-    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0"]
-    r = run_train(*flags, "--gpu-memory-gb", str(gb), "--out", str(tmp_path / "no"), check=False)
-    said = r.stdout + r.stderr
-    assert r.returncode == 2 and "does not fit" in said and "--grad-checkpointing" in said and "--force" in said, said
-    assert "loading --model" not in r.stdout and "Traceback" not in said
-    r = run_train(*flags, "--gpu-memory-gb", str(gb), "--force", "--out", str(tmp_path / "forced"))
-    assert f"memory plan: {without / 2**30:.2f} GB per rank" in r.stdout, r.stdout
-    run_train(*flags, "--gpu-memory-gb", str(gb), "--grad-checkpointing", "--out", str(tmp_path / "ckpt"))
-
-
-# Under autocast, every Linear's output scaled by 1 + k/256 with k = (rows of the GEMM) mod 7: a GEMM whose last bits
-# depend on its shape, as cuBLAS picks its kernel (and split-K) by shape; the CPU's bf16 GEMMs round alike at any shape
-SHAPE_ROUNDING = ("import torch, torch.nn.functional as F\n_linear = F.linear\n"
-                  "F.linear = lambda x, w, b=None: _linear(x, w, b) * (1 + (x.numel() // x.shape[-1] % 7) / 256 "
-                  "* torch.is_autocast_enabled('cpu'))\n")
-
-
-@pytest.mark.parametrize("micro", ["1", "3"])
-def test_lr_zero_bf16_ratio_is_exactly_one(tmp_path, micro):
-    # old log-probs and the update see the same rows in the same micro-batches at the same padded length, so
-    # under bf16 autocast the GEMMs have the same shapes and the ratio is 1 to the last bit at --lr 0, even where
-    # the GEMMs' rounding depends on their shape (SHAPE_ROUNDING)
-    (tmp_path / "sitecustomize.py").write_text(SHAPE_ROUNDING)
-    out = str(tmp_path / "run")
-    run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--group-size", "4", "--mini-batch-size", "4",
-              "--micro-batch-size", micro, "--dtype", "bf16", "--lr", "0", "--critic-lr", "0", "--filter-ratio", "1",
-              "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--max-new-tokens", "24", "--out", out,
-              env=dict(PYTHONPATH=str(tmp_path)))
-    m = read_metrics(out)[0]
-    assert m["train/batch_size"] == 8
-    assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"], m["actor/approx_kl"]) == (1.0, 1.0, 0.0, 0.0), m
-
-
-# ==================================================================================================
 # Supervised warm-up (sft.py): demonstrations laid out by the rollout, cross-entropy on the answers
 # ==================================================================================================
-
-import sft
-
-
 def demo_rollout(model, tok, key, policy, seeds, think=True, epsilon=0.5, respond_log=None, **over):
     """Demonstrations of one preset through rollout()'s respond hook; respond_log collects (b, answer text)."""
     flags = dict(ev.DEFAULTS, no_think=not think, max_turns=None, max_actions_per_turn=None, max_context=None,
@@ -3280,29 +3340,6 @@ def test_demonstration_policies():
         assert torch.equal(demo_rollout(model, tok, key, "mix", seeds, epsilon=0.0, max_turns=10)[0]["tokens"], out["tokens"])
 
 
-def test_frozenlake_shortest_path_hand_made():
-    env = FrozenLakeEnv(success_rate=1.0)
-    env.load("P_O_\n__O_\nO___\n___G")
-    from env_frozenlake import shortest_path
-    path = shortest_path(env.desc, env.pos)
-    assert len(path) == 6, path  # Manhattan distance: the holes leave a shortest path open
-    for a in path:
-        _, r, done, info = env.step(a)
-    assert done and info["success"]
-    assert shortest_path(["SH", "HG"], (0, 0)) is None and shortest_path(["SH", "HG"], (1, 1)) == []
-
-
-def test_webshop_oracle_action_buys_the_target():
-    env = W.WebShopEnv()
-    for seed in range(20):
-        env.reset(seed, "test")
-        for _ in range(9):
-            _, reward, done, info = env.step(W.oracle_action(env))
-            if done:
-                break
-        assert info["success"], seed
-
-
 def run_sft(*flags, torchrun=0):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
     return subprocess.run(cmd + [os.path.join(HERE, "sft.py"), "--device", "cpu", *flags], capture_output=True, text=True,
@@ -3329,6 +3366,7 @@ def test_sft_loss_falls(tmp_path, capsys):
     assert "success 8/8" in out
 
 
+@pytest.mark.slow
 def test_sft_output_loads_in_eval_and_train(tmp_path, capsys):
     out = str(tmp_path / "sft")
     assert sft_main(capsys, "--model", "tiny", "--env", "CoordFrozenLakeDet", "--episodes", "4", "--steps", "1",
@@ -3366,46 +3404,20 @@ def test_sft_flags(capsys):
         assert code == 2 and said in err and err.count("\n") == 1, (flags, err)
 
 
+@pytest.mark.slow
 def test_sft_two_ranks_gloo(tmp_path):
-    out = str(tmp_path / "ddp")
-    r = run_sft("--model", "tiny", "--env", "bandit", "--episodes", "4", "--steps", "2", "--out", out, torchrun=2)
+    # 2 ranks take the global token mean, as one process does: the same loss and weights, whatever the split of
+    # tokens between the ranks (Sokoban episodes differ in length)
+    from safetensors.torch import load_file
+    one, two = str(tmp_path / "one"), str(tmp_path / "ddp")
+    flags = ["--model", "tiny", "--env", "sokoban", "--policy", "random", "--episodes", "6", "--batch-size", "6",
+             "--steps", "2", "--lr", "1e-3"]
+    r = run_sft(*flags, "--out", one)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "2 rank(s)" in r.stdout and os.path.exists(os.path.join(out, "model.safetensors"))
-
-
-# At the first fully_shard call of a process, the bytes of every allocated (not meta) parameter alive in it that
-# FSDP2 has not sharded yet, found through the garbage collector: [rank, bytes] as one JSON line
-SHARD_PROBE = ("import gc, json, os, torch, torch.distributed.fsdp as F\n_shard, _seen = F.fully_shard, []\n"
-               "def fully_shard(module, **kw):\n"
-               "    if not _seen:\n"
-               "        _seen.append(1)\n"
-               "        ps = [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]\n"
-               "        b = sum(p.numel() * p.element_size() for p in ps if not p.is_meta and not hasattr(p, 'to_local'))\n"
-               "        with open(os.environ['SHARD_PROBE'], 'a') as f:\n"
-               "            f.write(json.dumps([os.environ.get('RANK'), b]) + '\\n')\n"
-               "    return _shard(module, **kw)\n"
-               "F.fully_shard = fully_shard\n")
-
-
-def test_models_are_sharded_before_they_are_allocated(tmp_path):
-    # actor, critic trunk, reference and rollout copy are built on the meta device and sharded before any weight is
-    # allocated: when sharding starts, no rank holds as much as one bf16 copy of the model in parameters (rank 0's
-    # fp32 source state dict is host memory on a GPU machine); the rollout copy then fills in bf16 with one
-    # all-gather per block (sync bytes = the bf16 model, tied embedding once)
-    (tmp_path / "sitecustomize.py").write_text(SHARD_PROBE)
-    probe, out = str(tmp_path / "probe.jsonl"), str(tmp_path / "run")
-    run_train(*TINY, "--env", "frozenlake", "--algo", "ppo", "--kl-coef", "0.1", "--dtype", "bf16", "--steps", "1",
-              "--val-every", "0", "--collapse-every", "0", "--out", out, torchrun=2,
-              env=dict(PYTHONPATH=str(tmp_path), SHARD_PROBE=probe))
-    calls = [json.loads(l) for l in open(probe)]
-    n = sum(p.numel() for p in rollout.build_tiny("llama")[0].parameters())
-    assert sorted(r for r, _ in calls) == ["0", "1"] and max(b for _, b in calls) < 2 * n, (calls, n)
-    assert read_metrics(out)[0]["perf/sync_gathered_mb"] == pytest.approx(2 * n / 2**20)
-
-
-def test_lora_sync_gathers_only_the_adapters(tmp_path):
-    out = str(tmp_path / "two")
-    run_train(*LORA, "--steps", "2", "--out", out, torchrun=2)
-    adapters = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]  # the actor's trainables: adapters
-    want = sum(v.numel() * 4 for v in adapters.values()) / 2**20
-    assert [m["perf/sync_gathered_mb"] for m in read_metrics(out) if "perf/sync_gathered_mb" in m] == pytest.approx([want] * 2)
+    r = run_sft(*flags, "--out", two, torchrun=2)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "2 rank(s)" in r.stdout
+    a, b = (json.load(open(os.path.join(d, "sft.json")))["final_loss"] for d in (one, two))
+    assert a == pytest.approx(b, rel=1e-5)
+    wa, wb = (load_file(os.path.join(d, "model.safetensors")) for d in (one, two))
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
