@@ -789,6 +789,10 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
         else:  # scripted: the text's tokens and the stop token a sampled answer ends with (mask 1, log-prob 0)
             toks = [enc(respond(b, envs[b])) + close_ids[:1] if b in new else [] for b in rows]
             lps = [[0.0] * len(t) for t in toks]
+            for b, t in zip(rows, toks):  # a sampled answer could not be this long: the demonstration would lie
+                if len(t) > max_new_tokens:
+                    raise ValueError(f"respond's answer for episode {b} is {len(t)} tokens with its stop token, over "
+                                     f"max_new_tokens {max_new_tokens}")
 
         for i, b in enumerate(rows):
             if b not in new:

@@ -276,8 +276,8 @@ def aggregate(x, mask, agg="token-mean", token_count=None, seq_count=None):
         row = row / mask.sum(-1).clamp(min=1)  # [B]
     elif agg != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation {agg!r}")
-    n = mask.sum(-1).gt(0).sum().clamp(min=1) if seq_count is None else seq_count
-    return row.sum() / n
+    n = mask.sum(-1).gt(0).sum() if seq_count is None else torch.as_tensor(seq_count)
+    return row.sum() / n.clamp(min=1)
 
 def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0,
                 agg="token-mean", token_count=None, seq_count=None):
@@ -347,6 +347,8 @@ def kl_penalty(logp, ref_logp, kind="kl"):
 def _chunk_logprobs(lm_head, hidden, targets, temperature, with_entropy):
     # fp32 logits, not bf16 ones cast up (0.125 apart in [16, 32)): the GEMM itself in fp32, outside autocast. With
     # bf16 weights (FSDP2) that is an fp32 copy of lm_head's [V, d] weight per chunk, recomputed in backward
+    if hasattr(lm_head, "lora_A"):  # peft's wrapper: lm_head.weight would be its frozen base alone
+        raise ValueError("a LoRA adapter on lm_head is not supported: token_logprobs uses lm_head.weight directly")
     bias = None if lm_head.bias is None else lm_head.bias.float()
     with torch.autocast(hidden.device.type, enabled=False):
         logits = F.linear(hidden.float(), lm_head.weight.float(), bias) / temperature  # [c, V] one chunk only

@@ -1321,6 +1321,10 @@ def test_loss_aggregations_and_empty_rows():
     assert close(starpo.aggregate(x, m, "seq-mean-token-mean", seq_count=6), 1.0)
     with pytest.raises(ValueError):
         starpo.aggregate(x, m, "token-sum")
+    # a mini-batch whose rows hold no loss token: train.py passes global counts of 0, and the loss is 0, not 0/0
+    empty = torch.zeros_like(m)
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        assert starpo.aggregate(x, empty, agg, token_count=0, seq_count=0).item() == 0.0
     logp = torch.randn(3, 3, requires_grad=True)
     for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
         for mask in (m, torch.zeros_like(m)):
@@ -2700,6 +2704,8 @@ def test_lora_sync_gathers_only_the_adapters(tmp_path):
     (["--resume", "/nonexistent/run"], "no ckpt.pt there"),
     (["--env", "SimpleSokoban:2", "FrozenLake"], "give each a positive group count"),
     (["--context-window-mode", "single_turn", "--turn-rewards"], "--turn-rewards and --bi-level-gae need whole episodes"),
+    (["--plan", "-2"], "--plan -2: the number of ranks"),
+    (["--lora-rank", "4", "--lora-target", "q_proj,lm_head"], "--lora-target lm_head: the log-prob passes"),
 ])
 def test_bad_flags_give_one_line_errors(flags, message):
     r = run_train(*TINY, "--steps", "1", *flags, check=False)
@@ -3073,6 +3079,17 @@ def test_resume_with_different_flags_is_refused(tmp_path):
     run_train(*TINY, "--env", "bandit", "--steps", "1", "--val-every", "0", "--out", out)
     r = run_train(*TINY, "--env", "bandit", "--steps", "2", "--val-every", "0", "--resume", out, "--algo", "grpo", check=False)
     assert r.returncode != 0 and "--algo was 'ppo', now 'grpo'" in r.stdout + r.stderr
+    # flags that change neither the training nor the sampled tokens may differ
+    run_train(*TINY, "--env", "bandit", "--steps", "2", "--val-every", "0", "--resume", out, "--sampler", "static",
+              "--pg-timeout-min", "5", "--force", "--gpu-memory-gb", "64")
+    assert [m["step"] for m in read_metrics(out)] == [0, 1]
+
+
+def test_lora_on_lm_head_is_refused_by_the_log_prob_pass():
+    head = torch.nn.Linear(4, 8)
+    head.lora_A = torch.nn.ModuleDict()  # what peft's wrapper carries; its .weight would be the frozen base alone
+    with pytest.raises(ValueError, match="LoRA adapter on lm_head"):
+        starpo._chunk_logprobs(head, torch.randn(3, 4), torch.tensor([0, 1, 2]), 1.0, False)
 
 
 @pytest.mark.slow
@@ -3272,6 +3289,12 @@ def demo_rollout(model, tok, key, policy, seeds, think=True, epsilon=0.5, respon
     out = rollout.rollout(model, tok, envs, seeds, group_size=1, respond=respond if respond_log is None else logged,
                           sampler=rollout.Sampler(), **settings)
     return out, settings
+
+
+def test_demonstration_longer_than_the_token_budget_is_refused(tiny):
+    model, tok = tiny  # a solver answer with its <think> is far over 4 tokens, which no sampled answer could exceed
+    with pytest.raises(ValueError, match="over max_new_tokens 4"):
+        demo_rollout(model, tok, "CoordFrozenLakeDet", "solver", [10000], max_new_tokens=4)
 
 
 @pytest.mark.parametrize("key,think", [("CoordFrozenLakeDet", True), ("SimpleSokoban", False), ("Bandit", True)])

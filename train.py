@@ -27,11 +27,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-import env_bandit
-import env_countdown
-import env_frozenlake
-import env_sokoban
-import env_webshop
 import memplan
 import eval as eval_py  # the env presets and the agent settings, shared with evaluation
 import rollout as rollout_py  # sampler_settings; the function rollout() is imported below
@@ -214,7 +209,7 @@ def resolve_args(argv, world):
     if len({e for e, _ in args.env_mix}) < len(args.env_mix):
         sys.exit("train.py: a preset appears twice in --env")
     args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
-    for key, default in (("max_turns", 5), ("max_actions_per_turn", 5), ("max_context", 3600)):  # RAGEN's per-env configs
+    for key, default in eval_py.AGENT_DEFAULTS.items():  # RAGEN's per-env configs
         if getattr(args, key) is None:
             setattr(args, key, eval_py.ENV_CLASSES[args.env][1].get(key, default))
     if args.val_env is None:
@@ -231,6 +226,13 @@ def resolve_args(argv, world):
         sys.exit("train.py: with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
     if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
         sys.exit(f"train.py: --algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
+    if args.plan is not None and args.plan < 0:
+        sys.exit(f"train.py: --plan {args.plan}: the number of ranks to plan for is >= 1 (bare --plan: this launch's)")
+    if args.lora_rank < 0:
+        sys.exit("train.py: --lora-rank must be >= 0")
+    if args.lora_rank and "lm_head" in args.lora_target.split(","):  # starpo's log-probs multiply by lm_head's weight
+        sys.exit("train.py: --lora-target lm_head: the log-prob passes use lm_head's weight directly and would skip "
+                 "its adapter; adapt the other Linear layers (all-linear leaves lm_head out too)")
     world = args.plan or world  # --plan: the checks below are the planned launch's, and nothing after the plan runs
     # derived batch sizes, checked up front (RAGEN train.py asserts the same things)
     kept_groups = args.num_groups if args.filter_ratio >= 1 else int(args.filter_ratio * args.num_groups)
@@ -329,7 +331,11 @@ if plan_cfg is not None:
             f"(under {memplan.HEADROOM:.0%} of it); " + (f"it fits with {fitting}" if fitting else "a smaller --model or "
             "larger GPUs") + "; --plan shows its parts, --force starts anyway")
 
-# run directory, resume checks
+# run directory, resume checks. A resumed run takes the same flags, except these, which change neither what is
+# trained nor the sampled tokens: where and how long it runs, what it logs, memory, and the reference paths
+RESUME_MAY_CHANGE = ("resume", "out", "steps", "save_every", "wandb", "val_every", "device", "log_trajectories_every",
+                     "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
+                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler")
 ckpt = None
 if args.resume:
     ckpt_path = os.path.join(args.resume, "ckpt.pt")
@@ -341,9 +347,7 @@ if args.resume:
     if ckpt["step"] >= args.steps:
         die(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} leaves nothing to do")
     changed = {k: (v, getattr(args, k)) for k, v in ckpt["args"].items()
-               if k not in ("resume", "out", "steps", "save_every", "wandb", "val_every", "device",
-                            "log_trajectories_every", "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
-                            "save_adapter")
+               if k not in RESUME_MAY_CHANGE
                and getattr(args, k, None) != v}
     if changed:
         die(f"--resume {args.resume}: flags differ from the run's args.json: " +
@@ -451,8 +455,6 @@ if ddp or rollout_dtype != torch.float32 or args.lora_rank:  # LoRA: a plain cop
     rollout_model = meta_copy(actor, rollout_dtype).eval().requires_grad_(False)
 base_sd = actor.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
 if args.lora_rank:  # peft LoRA, injected in place by transformers' add_adapter (the classes stay; base weights frozen)
-    if args.lora_rank < 0:
-        die("--lora-rank must be >= 0")
     from peft import LoraConfig
     lora_config = lambda: LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                      target_modules="all-linear" if args.lora_target == "all-linear" else args.lora_target.split(","))
