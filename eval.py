@@ -16,6 +16,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import sys
 import time
 
@@ -250,9 +251,11 @@ def read_metrics(run_dir):
     return series
 
 
-def plot_run(*run_dirs, out=None):
+def plot_run(*run_dirs, out=None, baselines=()):
     """Draw the training curves of one or more runs into one figure, one colour per run when there are several
-    (line style = metric), and return its path: `out`, default <run>/curves.png, or <first run>/compare.png."""
+    (line style = metric), and return its path: `out`, default <run>/curves.png, or <first run>/compare.png.
+    baselines: (name, success) pairs drawn as grey horizontal lines on the success panel (a scripted policy, the
+    start model's own evaluation)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -269,6 +272,9 @@ def plot_run(*run_dirs, out=None):
                 style = {} if len(runs) == 1 else dict(color=f"C{r}", linestyle=["-", "--", ":", "-."][i % 4])
                 ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
                         label=k if len(runs) == 1 else f"{name}: {k}", **style)
+        if title == "success rate":
+            for i, (name, y) in enumerate(baselines):
+                ax.axhline(y, color="grey", linestyle=["--", ":", "-."][i % 3], linewidth=1, label=f"{name}: {y:g}")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -286,6 +292,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plot", nargs="+", default=None, metavar="RUN_DIR", help="draw a run's curves into RUN_DIR/curves.png; "
                    "several runs: overlaid, into <first>/compare.png (or --out FILE.png)")
+    p.add_argument("--baseline", nargs="+", default=[], metavar="NAME=SUCCESS", help="with --plot: reference success "
+                   "rates drawn as horizontal lines, e.g. random=0.19 warm-up=0.15")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
@@ -315,7 +323,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>); with --plot: the PNG")
     args = p.parse_args(argv)
     if args.plot:
-        print(plot_run(*args.plot, out=args.out))
+        baselines = [b.rsplit("=", 1) for b in args.baseline]
+        if any(len(b) != 2 for b in baselines) or not all(re.fullmatch(r"-?[0-9.]+(e-?[0-9]+)?", y) for _, y in baselines):
+            die(f"--baseline takes NAME=SUCCESS pairs, e.g. random=0.19; got {' '.join(args.baseline)}")
+        print(plot_run(*args.plot, out=args.out, baselines=[(n, float(y)) for n, y in baselines]))
     elif args.model is None:
         die("give --model (or --plot RUN_DIR)")
     else:

@@ -3235,6 +3235,19 @@ def test_plot_hand_written_metrics(tmp_path):
         f.writelines(json.dumps(m) + "\n" for m in lines)
     path = ev.plot_run(str(tmp_path))
     assert path == str(tmp_path / "curves.png") and os.path.getsize(path) > 10_000
+    # --baseline: reference success rates as horizontal lines on the success panel, labelled
+    import matplotlib.figure
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or save(fig, *a, **k))
+        ev.main(["--plot", str(tmp_path), "--baseline", "random=0.19", "warm-up=0.15", "--out", str(tmp_path / "b.png")])
+    success = drawn[0].axes[0]
+    assert success.get_title() == "success rate"
+    flat = {l.get_label(): set(l.get_ydata()) for l in success.lines if len(set(l.get_ydata())) == 1}
+    assert flat["random: 0.19"] == {0.19} and flat["warm-up: 0.15"] == {0.15}
+    with pytest.raises(SystemExit):
+        ev.main(["--plot", str(tmp_path), "--baseline", "random"])
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
