@@ -10,7 +10,6 @@ rollout -> filter groups -> old / ref log-probs and values -> advantages -> PPO 
 -> validation -> checkpoint. Defaults are the paper's StarPO-S settings (RAGEN's configs).
 """
 import argparse
-import copy
 import datetime
 import functools
 import importlib.util
@@ -27,8 +26,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-import memplan
 import eval as eval_py  # the env presets and the agent settings, shared with evaluation
+import fsdp
+import memplan
 import rollout as rollout_py  # sampler_settings; the function rollout() is imported below
 import starpo
 from rollout import load_model, reasoning_span, rollout
@@ -371,41 +371,8 @@ print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_
        f"= {args.num_groups * args.group_size} trajectories, {keeps}")
 
 # ----------------------------------------------------------------------------- models
-# Weights are fp32 (the optimizer's master copy); on GPU the forward runs in bf16 autocast, as RAGEN's
-# FSDP mixed precision does. Rollouts run on a plain unsharded copy (the sampler calls submodules
-# directly, which FSDP2's hooks would not see), refreshed after every update.
-# Rank 0 alone reads the weights (fp32 on the CPU, self-checked by load_model) and builds the models there; every
-# rank works on their structure on the meta device (meta_copy: no memory), shards it under torchrun, and only then
-# allocates it on the device and fills it from rank 0's state dicts (materialize). No GPU ever holds a whole fp32
-# model before sharding (Qwen2.5-7B PPO: 83 GB of fp32 actor, critic trunk and rollout copy on each rank), and the
-# rollout copy is allocated in its own dtype.
-def meta_copy(m, dtype=None):
-    """A copy of module m with its parameters on the meta device (in dtype if given), tied ones still tied; buffers
-    (RoPE's inv_freq, small) are copied as they are."""
-    memo = {id(q): torch.nn.Parameter(torch.empty_like(q, device="meta", dtype=dtype), q.requires_grad) for q in m.parameters()}
-    return copy.deepcopy(m, memo)
-
-
-def materialize(m, src):
-    """Allocate meta module m (sharded if FSDP2 wraps it) on this rank's device and fill its parameters from src, a
-    full state dict on rank 0 (broadcast under torchrun; None: filled later). Buffers are not in state dicts and
-    to_empty leaves them uninitialised: they are put back. to_empty unties tied weights of a plain module."""
-    buffers = {n: b.clone() for n, b in m.named_buffers()}
-    m.to_empty(device=device)
-    from torch.distributed.fsdp import FSDPModule
-    if hasattr(m, "tie_weights") and not isinstance(m, FSDPModule):  # (FSDP2 keeps them tied)
-        m.tie_weights()
-    for n, b in m.named_buffers():
-        b.copy_(buffers[n])
-    if src is not None and ddp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(m, dict(src), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # (it
-        # puts the loaded DTensors into the dict it is given; the reference and the rollout copy share one)
-    elif src is not None:
-        m.load_state_dict(src)
-    return m
-
-
+# fp32 master weights, bf16 autocast on GPU; built on the meta device, sharded, then filled from rank 0 (fsdp.py's
+# docstring says how and why). Rollouts run on an unsharded copy, refreshed after every update.
 print0(f"loading --model {args.model} ...")
 actor, tok, err = None, None, None
 if master:
@@ -414,7 +381,7 @@ if master:
     except (ValueError, FileNotFoundError, OSError) as e:
         err = f"cannot load --model {args.model}: {e}"
 if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)
-    box = [err, meta_copy(actor) if actor is not None else None, tok]
+    box = [err, fsdp.meta_copy(actor) if actor is not None else None, tok]
     dist.broadcast_object_list(box)
     err, actor, tok = box[0], actor if master else box[1], box[2]
 if err:
@@ -423,26 +390,8 @@ bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)  # --dtype bf
 rollout_dtype = torch.bfloat16 if bf16 else torch.float32
 autocast = (lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext
 sampler = rollout_py.sampler_settings(device, args.sampler)  # auto: static + compiled exactly on CUDA
-ref = meta_copy(actor).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
-
-
-class Critic(torch.nn.Module):
-    """Value head on its own copy of the LM trunk (RAGEN: AutoModelForTokenClassification, num_labels=1)."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.model = copy.deepcopy(lm.model)
-        self.head = torch.nn.Linear(lm.config.hidden_size, 1, device=lm.device)
-        torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
-
-    def forward(self, tokens, attention_mask, share_prefix=False):
-        h = starpo.last_hidden(self.model, tokens, attention_mask, share_prefix)             # [B, T, H]
-        v = self.head(h).squeeze(-1).float()                                              # [B, T]
-        # values[:, t] = V(tokens[:, :t]): the state in which token t is chosen, aligned with logp[:, t]
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)                   # [B, T]
-
-
-critic = Critic(actor) if args.algo == "ppo" else None  # rank 0: a real trunk copy, on the CPU
+ref = fsdp.meta_copy(actor).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
+critic = fsdp.Critic(actor) if args.algo == "ppo" else None  # rank 0: a real trunk copy, on the CPU
 # the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept group's
 # first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
 share_prefix = not (args.no_prefix_sharing or args.grad_checkpointing or ddp)
@@ -452,123 +401,37 @@ if args.grad_checkpointing:
         critic.model.gradient_checkpointing_enable()
 rollout_model = None  # None: the actor itself
 if ddp or rollout_dtype != torch.float32 or args.lora_rank:  # LoRA: a plain copy, adapter merged in (sync_rollout_weights)
-    rollout_model = meta_copy(actor, rollout_dtype).eval().requires_grad_(False)
+    rollout_model = fsdp.meta_copy(actor, rollout_dtype).eval().requires_grad_(False)
 base_sd = actor.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
-if args.lora_rank:  # peft LoRA, injected in place by transformers' add_adapter (the classes stay; base weights frozen)
-    from peft import LoraConfig
-    lora_config = lambda: LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                     target_modules="all-linear" if args.lora_target == "all-linear" else args.lora_target.split(","))
+lora_config = None  # a peft LoraConfig factory under LoRA
+if args.lora_rank:  # RAGEN: the critic trunk gets LoRA too; its head trains fully
     try:
-        for m in [actor] + ([critic.model] if critic is not None else []):  # RAGEN: the critic trunk gets LoRA too; its head trains fully
-            m.add_adapter(lora_config())
-    except ValueError as e:  # peft names missing target modules; transformers refuses a peft it cannot drive
-        if "target modules" in str(e).lower():
-            die(f"--lora-target {args.lora_target!r}: {str(e).splitlines()[0]}")
-        import importlib.metadata, transformers
-        die(f"LoRA: {str(e).splitlines()[0]} (installed: peft {importlib.metadata.version('peft')}, transformers "
-            f"{transformers.__version__}; requirements.txt pins a pair that works)")
+        lora_config = fsdp.add_lora([actor] + ([critic.model] if critic is not None else []), args.lora_rank,
+                                    args.lora_alpha, args.lora_target)
+    except ValueError as e:
+        die(str(e))
 actor_sd, critic_sd = (actor.state_dict(), critic.state_dict() if critic is not None else None) if master else ({}, {})
-actor, critic = meta_copy(actor), None if critic is None else meta_copy(critic)  # rank 0's real ones: in the state dicts
+actor, critic = fsdp.meta_copy(actor), None if critic is None else fsdp.meta_copy(critic)  # rank 0's real ones: in the state dicts
 rollout_model = actor if rollout_model is None else rollout_model
-if ddp:  # FSDP2: shard every transformer block, then the root (pytorch/examples distributed/FSDP2)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    # bf16: all-gather bf16 parameters (half the traffic of fp32), reduce-scatter gradients in fp32 (RAGEN's FSDP
-    # mixed_precision: param_dtype bf16, reduce_dtype fp32); the sharded master weights and AdamW stay fp32
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for m in [actor, critic, ref]:
-        if m is not None:
-            for block in m.model.layers:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(m, mp_policy=mp)
+if ddp:
+    fsdp.shard([actor, critic, ref], bf16)
 for m, sd in [(actor, actor_sd), (critic, critic_sd), (ref, base_sd), (rollout_model, base_sd)]:
     if m is not None and next(m.parameters()).is_meta:  # the rollout copy may be the actor, already allocated
-        materialize(m, sd)
+        fsdp.materialize(m, sd, device, ddp)
 del actor_sd, critic_sd, base_sd
 # LoRA on several ranks: the frozen base of every adapted weight, kept from the rollout copy's fill (not re-gathered)
 lora_base = {n: rollout_model.get_submodule(n).weight.clone() for n, m in actor.named_modules()
              if hasattr(m, "lora_A")} if args.lora_rank and ddp else {}
+sync_rollout_weights = functools.partial(fsdp.sync_rollout_weights, actor, rollout_model, ddp, args.lora_rank > 0, lora_base)
 opt = torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
 critic_opt = None if critic is None else torch.optim.AdamW(
     critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
 
-
-@torch.no_grad()
-def sync_rollout_weights():
-    """Copy the (possibly sharded) actor into the unsharded rollout model; every rank calls this. Returns the bytes
-    it all-gathered. FSDP2: one all-gather per block and one for the root (unshard, in the all-gather dtype: bf16
-    under bf16 compute, the rollout copy's dtype), rather than one fp32 gather per parameter.
-    LoRA: the rollout model is a plain copy with the adapter merged in, W = W0 + B @ A * alpha / r (peft's
-    lora.Linear.get_delta_weight), rather than a copy carrying peft's layers: the sampler keeps running the plain
-    HF layout that load_model self-checked (and that the compiled CUDA-graph step captures) with no per-token
-    adapter matmuls, at the cost of one rank-r product per adapted weight per sync. Only those weights change,
-    and only the adapters are gathered: the frozen W0 was kept from the rollout copy's first fill (lora_base, in
-    the rollout dtype; W0 of a bf16 checkpoint is exact in it)."""
-    if rollout_model is actor:
-        return 0
-    gathered = 0
-    if args.lora_rank:
-        for name, m in actor.named_modules():
-            if hasattr(m, "lora_A"):  # a peft LoRA layer around m.base_layer
-                a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
-                if ddp:
-                    a, b = a.full_tensor(), b.full_tensor()
-                    gathered += (a.numel() + b.numel()) * a.element_size()
-                w0 = lora_base[name] if ddp else m.base_layer.weight
-                rollout_model.get_submodule(name).weight.copy_(w0 + b @ a * m.scaling["default"])
-        return gathered
-    if not ddp:
-        for p_, q in zip(actor.parameters(), rollout_model.parameters()):
-            q.copy_(p_)
-        return 0
-    mirror = dict(rollout_model.named_parameters())
-    for prefix, part in [(f"model.layers.{i}.", block) for i, block in enumerate(actor.model.layers)] + [("", actor)]:
-        part.unshard()  # this FSDP2 group's parameters, gathered in one collective
-        for n, p_ in part.named_parameters(prefix=prefix.rstrip(".")):
-            if prefix or not n.startswith("model.layers."):  # the root: its own parameters (the blocks are done)
-                mirror[n].copy_(p_)
-                gathered += p_.numel() * p_.element_size()
-        part.reshard()
-    return gathered
-
-
-def lora_export(adapter_sd, adapter_dir=None):
-    """The HF export under LoRA: the --model weights reloaded (frozen while training) plus the adapter, merged by
-    peft into a plain fp32 model; the adapter alone (peft format) goes to adapter_dir if given."""
-    from peft import get_peft_model
-    model = get_peft_model(load_model(args.model)[0], lora_config())
-    bad = model.base_model.model.load_state_dict(adapter_sd, strict=False).unexpected_keys  # the actor's names
-    assert not bad, bad
-    if adapter_dir:
-        model.save_pretrained(adapter_dir)
-    return model.merge_and_unload()
-
-
-def full_state(model, optimizer=None):
-    """Unsharded state dicts on CPU (collective under FSDP2; every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=args.lora_rank > 0)  # LoRA: adapters (+ critic head)
-    msd = get_model_state_dict(model, options=o)
-    if args.lora_rank:  # a tied (frozen) lm_head.weight slips through ignore_frozen_params
-        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
-        msd = {k: v for k, v in msd.items() if k in trainable}
-    return msd, (get_optimizer_state_dict(model, optimizer, options=o) if optimizer is not None else None)
-
-
-def load_state(model, optimizer, msd, osd):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    o = StateDictOptions(full_state_dict=True, strict=not args.lora_rank)  # LoRA: the frozen base comes from --model
-    set_model_state_dict(model, msd, options=o)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, osd, options=o)
-        for st in optimizer.state.values():  # own copies, not views of the memory-mapped ckpt.pt
-            st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v)})
-
-
 start_step = 0
 if ckpt is not None:
-    load_state(actor, opt, ckpt["actor"], ckpt["actor_opt"])
+    fsdp.load_state(actor, opt, ckpt["actor"], ckpt["actor_opt"], args.lora_rank > 0)
     if critic is not None:
-        load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"])
+        fsdp.load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"], args.lora_rank > 0)
     torch.set_rng_state(ckpt["torch_rng"])
     start_step = ckpt["step"] + 1
     ckpt = dict(monitor=ckpt["monitor"])  # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
@@ -847,12 +710,24 @@ def validate(step, envs, say):
     return m
 
 
+def lora_export(adapter_sd, adapter_dir=None):
+    """The HF export under LoRA: the --model weights reloaded (frozen while training) plus the adapter, merged by
+    peft into a plain fp32 model; the adapter alone (peft format) goes to adapter_dir if given."""
+    from peft import get_peft_model
+    model = get_peft_model(load_model(args.model)[0], lora_config())
+    bad = model.base_model.model.load_state_dict(adapter_sd, strict=False).unexpected_keys  # the actor's names
+    assert not bad, bad
+    if adapter_dir:
+        model.save_pretrained(adapter_dir)
+    return model.merge_and_unload()
+
+
 def save_checkpoint(step, monitor):
     """ckpt.pt and a plain HF directory <out>/hf, both written under temporary names and renamed in: hf first,
     ckpt.pt last (the commit). Killed at any instant, the previous checkpoint stays whole, hf/ is ahead of ckpt.pt
     for at most one rename, and clean_interrupted_checkpoint() puts it back; a failed write stops the run."""
-    actor_sd, actor_osd = full_state(actor, opt)
-    critic_sd, critic_osd = full_state(critic, critic_opt) if critic is not None else (None, None)
+    actor_sd, actor_osd = fsdp.full_state(actor, opt, args.lora_rank > 0)
+    critic_sd, critic_osd = fsdp.full_state(critic, critic_opt, args.lora_rank > 0) if critic is not None else (None, None)
     if not master:
         return
     state = dict(step=step, args={k: v for k, v in vars(args).items()}, actor=actor_sd, actor_opt=actor_osd,
@@ -865,7 +740,7 @@ def save_checkpoint(step, monitor):
             export = lora_export(actor_sd, os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
         else:
             # the rollout copy's structure holding the gathered CPU tensors themselves: no weight copy, none on the GPU
-            export = meta_copy(rollout_model)
+            export = fsdp.meta_copy(rollout_model)
             export.load_state_dict(actor_sd, assign=True)
             export.tie_weights()
         export.save_pretrained(j("hf.tmp"))
