@@ -29,6 +29,7 @@ import torch.distributed as dist
 import eval as eval_py  # the env presets and the agent settings, shared with evaluation
 import fsdp
 import memplan
+import ranks
 import rollout as rollout_py  # sampler_settings; the function rollout() is imported below
 import starpo
 from rollout import load_model, reasoning_span, rollout
@@ -440,56 +441,6 @@ sync_rollout_weights()
 
 
 # ----------------------------------------------------------------------------- helpers
-def all_gather_rows(out):
-    """Every rank gets the whole rollout (all groups, in group order). Rollouts are small next to
-    the model, so one all_gather_object keeps this simple; each row is padded to the longest T."""
-    outs = [out]
-    if ddp:
-        outs = [None] * world
-        dist.all_gather_object(outs, out)
-    return merge_rows(outs)
-
-
-def merge_rows(outs):
-    """Concatenate rollout outputs (ranks, or mixed presets) in order: group and episode numbers continue from
-    one output to the next, 2-D tensors are padded to the longest T, a stat some outputs lack counts 0 there."""
-    T = max(o["tokens"].shape[1] for o in outs)
-    n_groups = [int(o["group"].max()) + 1 if len(o["group"]) else 0 for o in outs]
-    offsets = lambda sizes: [sum(sizes[:i]) for i in range(len(sizes))]
-    outs = [dict(o, group=o["group"] + g0, episode=o["episode"] + e0) for o, g0, e0 in
-            zip(outs, offsets(n_groups), offsets([len(o["scores"]) for o in outs]))]
-    merged = {}
-    for k in outs[0]:
-        vals = [o[k] for o in outs]
-        if k == "stats":
-            keys = dict.fromkeys(s for v in vals for s in v)
-            merged[k] = {s: torch.cat([v[s] if s in v else torch.zeros(len(o["scores"])) for v, o in zip(vals, outs)])
-                         for s in keys}
-        elif torch.is_tensor(vals[0]) and vals[0].dim() == 2:
-            merged[k] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in vals])
-        elif torch.is_tensor(vals[0]):
-            merged[k] = torch.cat(vals)
-        else:
-            merged[k] = [x for v in vals for x in v]
-    return merged
-
-
-def all_reduce_mean(d):
-    """Average a dict of floats over ranks (one collective)."""
-    if not ddp or not d:
-        return d
-    keys = sorted(d)
-    t = torch.tensor([float(d[k]) for k in keys], dtype=torch.float64, device=device if use_cuda else "cpu")
-    dist.all_reduce(t)
-    return {k: v / world for k, v in zip(keys, t.tolist())}
-
-
-def rows_of_this_rank(n):
-    """Contiguous share of n rows for this rank (n divisible by world)."""
-    per = n // world
-    return slice(rank * per, (rank + 1) * per)
-
-
 def phase(bar, step, what):
     """Say on the progress bar what the step is doing (rank 0 only: other ranks' bars, and a closed one, are disabled).
     The step's parts get it as say = functools.partial(phase, bar, step)."""
@@ -503,7 +454,7 @@ def run_rollout(presets, group_size, seed0, temperature, envs, say, what="rollou
     outs = []
     for preset_key, n_groups in presets:
         cls, preset = eval_py.ENV_CLASSES[preset_key]
-        share = rows_of_this_rank(n_groups)
+        share = ranks.rows_of_rank(n_groups, rank, world)
         seeds = [seed0 + g for g in range(share.start, share.stop) for _ in range(group_size)]
         seed0 += n_groups
         if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
@@ -512,7 +463,7 @@ def run_rollout(presets, group_size, seed0, temperature, envs, say, what="rollou
                       temperature=temperature, sampler=sampler, progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"),
                       share_prefixes=not args.no_prefix_sharing,
                       **eval_py.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
-        outs.append(all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}))
+        outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}, ddp, world))
     return outs
 
 
@@ -578,18 +529,8 @@ def saved_bytes(model):
         yield held
 
 
-def micro_batches(rows):
-    """Split a list of row indices into micro-batches of --micro-batch-size."""
-    return [rows[i:i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
-
-
-def update_partition(n):
-    """The update's partition of n rows (n and --mini-batch-size multiples of world): [(rows of a mini-batch, this
-    rank's micro-batches of it)]. The no-grad passes (old and reference log-probs, values) use it too, so each
-    row is padded to the same length beside the same rows as in the update: bf16 GEMMs whose rounding depends
-    on their shape (cuBLAS picks kernels by shape) then give the update exactly the old log-probs at lr 0."""
-    minis = [list(range(s, min(s + args.mini_batch_size, n))) for s in range(0, n, args.mini_batch_size)]
-    return [(rows, micro_batches(rows[rows_of_this_rank(len(rows))])) for rows in minis]
+# [(rows of a mini-batch, this rank's micro-batches of them)] of n rows: the update's, and the no-grad passes'
+partition = lambda n: ranks.update_partition(n, args.mini_batch_size, args.micro_batch_size, rank, world)
 
 
 def trim(attention_mask, idx, *tensors):
@@ -604,7 +545,7 @@ def forward_pass(model, batch, what):
     a multiple of world rows), gathered; logp and entropy only at batch["loss_mask"] (0 elsewhere)."""
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
-    for mb in [mb for _, mine in update_partition(n) for mb in mine]:
+    for mb in [mb for _, mine in partition(n) for mb in mine]:
         tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
         with autocast():
             if what == "values":
@@ -702,8 +643,8 @@ def validate(step, envs, say):
         # in chunks of the training rollout's size, so the sampler's one static KV pool (sized by training) serves
         # validation too; the noise is keyed by episode seed, so chunking changes no sampled token
         chunk = args.num_groups * args.group_size
-        out = merge_rows([run_rollout([(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0, args.val_temperature,
-                                      envs, say, "validation")[0] for g0 in range(0, args.val_groups, chunk)])
+        out = ranks.merge_rows([run_rollout([(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0, args.val_temperature,
+                                            envs, say, "validation")[0] for g0 in range(0, args.val_groups, chunk)])
         m.update(env_metrics(out, f"val-env/{key}", 1))
         if args.log_trajectories_every and step % args.log_trajectories_every == 0:
             dump_trajectories(out, f"val-{key}-step{step:05d}.jsonl")
@@ -979,7 +920,7 @@ def update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if critic is not None:
         critic.train()
-    minibatches = update_partition(len(batch["tokens"]))  # [(rows, this rank's micro-batches of them)], as forward_pass
+    minibatches = partition(len(batch["tokens"]))  # [(rows, this rank's micro-batches of them)], as forward_pass
     for epoch in range(args.ppo_epochs):
         for i, (mb_rows, mine) in enumerate(minibatches):
             say(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
@@ -997,7 +938,7 @@ def update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     actor.eval()
     if critic is not None:
         critic.eval()
-    m = all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()})
+    m = ranks.all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()}, ddp, world, device)
     return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr})
 
 
@@ -1038,7 +979,7 @@ for step in bar:
     timing["rollout"] = time.time() - t0
     for (e, _), o in zip(args.env_mix, outs):
         m.update(env_metrics(o, f"train/{e}", args.group_size))
-    out = merge_rows(outs)
+    out = ranks.merge_rows(outs)
     if args.log_trajectories_every and step % args.log_trajectories_every == 0:
         dump_trajectories(out, f"train-step{step:05d}.jsonl")
     # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
