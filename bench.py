@@ -345,7 +345,8 @@ def dry_run(layers, sampler, out):
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--model", d,
            "--env", "sokoban", "--algo", "ppo", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "0.5",
            "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "16", "--max-turns", "2",
-           "--val-every", "0", "--collapse-every", "0", "--steps", "1", "--sampler", sampler, "--out", out]
+           "--val-every", "0", "--collapse-every", "0", "--steps", "1", "--sampler", sampler, "--measure-activations",
+           "--out", out]
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t

@@ -1,7 +1,10 @@
-"""Peak memory per rank of train.py, part by part, from the model config and the flags (train.py --plan).
+"""Peak memory per rank of train.py, part by part, from the model config and the flags (train.py --plan), and the
+check of a launch against its device (check_launch: the plan printed at start, a launch that does not fit refused
+with the flags that would make it fit).
 
 Its own file because train.py (a script: it parses flags and trains on import) and bench.py (a measurement tool)
-both need it, and the test suite checks it against what the CPU measures; nothing imports train.py.
+both need it, and the test suite checks it against what the CPU measures; nothing imports train.py. saved_bytes
+measures the activation part on a real forward (train.py --measure-activations).
 
 The parts are the ones train.py allocates: fp32 master weights, grads and AdamW states (sharded 1/W by FSDP2),
 the critic's trunk, the reference model, the rollout copy (unsharded, bf16 on GPU), the sampler's static KV pool,
@@ -18,6 +21,7 @@ The total is the sum of the parts: every part can be alive at the update's peak 
 allocated through the update, CUDA graphs need fixed addresses), so it is an upper bound, and the worst case
 assumes every row of a micro-batch is --max-context tokens long.
 """
+from contextlib import contextmanager
 
 GIB = 2**30
 HEADROOM = 0.92  # a card "fits" when the plan is under 92% of its memory: the CUDA context and fragmentation
@@ -93,3 +97,81 @@ def format_plan(part, gpu_bytes=None):
         lines.append(f"  -> {'fits' if fits(part['total'], gpu_bytes) else 'does NOT fit'} in {gpu_bytes / GIB:.1f} GB "
                      f"(under {HEADROOM:.0%} of it)")
     return "\n".join(lines)
+
+
+def model_config(name):
+    """The --model's HF config, read without its weights."""
+    import rollout
+    if name in ("tiny", "tiny-qwen2"):  # built in memory, a few hundred KB of weights
+        return rollout.build_tiny("llama" if name == "tiny" else "qwen2")[0].config
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(rollout.smollm2_dir() if name == "smollm2" else name)
+
+
+def fitting_flags(cfg, kw, gpu_bytes, splits=lambda w: True):
+    """The first of these changes, taken in turn and kept, that brings the plan_memory(cfg, **kw) under gpu_bytes, as
+    flags: --grad-checkpointing, halving --micro-batch-size down to 1, then 2, 4, 8 ranks (those the batch sizes
+    split over: splits(ranks)); None if none does."""
+    kw, flags, tries = dict(kw), {}, []
+    if not kw["ckpt"]:
+        tries.append(("ckpt", True, "--grad-checkpointing"))
+    tries += [("micro", m, f"--micro-batch-size {m}") for m in (kw["micro"] // 2**i for i in range(1, 12)) if m >= 1]
+    tries += [("world", w, f"torchrun --nproc_per_node={w}") for w in (2, 4, 8) if w > kw["world"] and splits(w)]
+    for key, value, flag in tries:
+        kw[key], flags[key] = value, flag
+        if fits(plan_memory(cfg, **kw)["total"], gpu_bytes):
+            return " ".join(flags.values())
+    return None
+
+
+def check_launch(cfg, args, world, use_cuda, cuda_bytes=None):
+    """train.py's plan of its launch (args: its flags, world: its ranks; cuda_bytes: the CUDA device's memory) from
+    the model's config cfg. Returns (what to print: the parts with --plan, else one line; why the launch is refused,
+    or None). On CUDA, or with --gpu-memory-gb, a plan that does not fit is refused unless --force, with the flags
+    that would make it fit."""
+    gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
+    kw = dict(world=world, rows=args.num_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
+              seq=args.max_context, critic=args.algo == "ppo", ref=args.kl_coef > 0 and not args.lora_rank,
+              bf16=args.dtype == "bf16" or (args.dtype == "auto" and gpu_plan), ckpt=args.grad_checkpointing,
+              lora_rank=args.lora_rank)
+    plan = plan_memory(cfg, **kw)
+    gpu_bytes = (args.gpu_memory_gb * GIB if args.gpu_memory_gb is not None else
+                 cuda_bytes if use_cuda else 80 * GIB if gpu_plan else None)
+    fit = gpu_bytes is None or fits(plan["total"], gpu_bytes)
+    splits = lambda w: args.num_groups % w == 0 and args.mini_batch_size % w == 0 and args.val_groups % w == 0
+    fitting = None if fit else fitting_flags(cfg, kw, gpu_bytes, splits)
+    if args.plan is not None:
+        text = (f"memory plan of --model {args.model} per rank, {world} rank{'s' * (world > 1)}, "
+                f"{'bf16' if kw['bf16'] else 'fp32'} compute, micro-batch {args.micro_batch_size} x {args.max_context} "
+                f"tokens{', grad checkpointing' if args.grad_checkpointing else ''}:\n" + format_plan(plan, gpu_bytes))
+        if not fit:
+            text += f"\n  fits with: {fitting}" if fitting else "\n  nothing here fits it: a smaller --model or larger GPUs"
+        return text, None
+    text = (f"memory plan: {plan['total'] / GIB:.2f} GB per rank" + (f" of {gpu_bytes / GIB:.1f} GB" if gpu_bytes else "")
+            + " (--plan for its parts)")
+    refusal = None
+    if not fit and (use_cuda or args.gpu_memory_gb is not None) and not args.force:
+        refusal = (f"the memory plan, {plan['total'] / GIB:.1f} GB per rank, does not fit in {gpu_bytes / GIB:.1f} GB "
+                   f"(under {HEADROOM:.0%} of it); " + (f"it fits with {fitting}" if fitting else "a smaller --model or "
+                   "larger GPUs") + "; --plan shows its parts, --force starts anyway")
+    return text, refusal
+
+
+@contextmanager
+def saved_bytes(model):
+    """Bytes of the distinct storages autograd keeps for backward inside the block (held[0]), the model's own
+    parameters (and views of them) excepted: the activation memory of a micro-batch, which plan_memory predicts
+    (train.py --measure-activations logs it). Activation checkpointing keeps its own inside checkpointed blocks, so
+    with gradient checkpointing this counts only what checkpointing still stores."""
+    import torch
+    local = lambda q: q.to_local() if hasattr(q, "to_local") else q  # FSDP2: a DTensor's storage is its shard's
+    held, seen = [0], {local(q).untyped_storage().data_ptr() for q in model.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            held[0] += s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield held

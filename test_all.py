@@ -2471,7 +2471,7 @@ def test_grad_checkpointing_runs_and_holds_fewer_activations(tmp_path):
     # HF skips checkpointing in eval mode (the mode load_model returns models in), so the update runs in train mode:
     # the bytes autograd holds for backward (perf/actor_saved_activations_mb) must drop
     flags = [*TINY, "--env", "sokoban", "--algo", "grpo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
-             "--micro-batch-size", "4", "--max-new-tokens", "24"]
+             "--micro-batch-size", "4", "--max-new-tokens", "24", "--measure-activations"]
     held = {}
     for ckpt in (False, True):
         out = str(tmp_path / f"ckpt{ckpt}")

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,8 @@ g.add_argument("--max-context", type=int, default=None, help="longest conversati
 g.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
 g.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
 debug.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
+debug.add_argument("--measure-activations", action="store_true", help="log perf/actor_saved_activations_mb: the "
+                   "bytes autograd holds for backward in an actor micro-batch (memplan.saved_bytes: a hook on every saved tensor)")
 debug.add_argument("--no-prefix-sharing", action="store_true", help="compute every row's prompt in full, also the prefixes rows "
                "share (reference path): in the rollout's prefill (train/<env>/prefill_saved counts what sharing saves) "
                "and in the old log-prob, value and update passes")
@@ -277,66 +279,26 @@ if ddp and args.plan is None:
 # ----------------------------------------------------------------------------- memory plan (memplan.py)
 # What this launch needs per rank, from the model's config alone: one line at start, the parts with --plan. On
 # CUDA (or with --gpu-memory-gb) a plan that does not fit stops the run here, before any weight is loaded.
-def model_config(name):
-    """The --model's HF config, read without its weights."""
-    if name in ("tiny", "tiny-qwen2"):  # built in memory, a few hundred KB of weights
-        return rollout_py.build_tiny("llama" if name == "tiny" else "qwen2")[0].config
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(rollout_py.smollm2_dir() if name == "smollm2" else name)
-
-
-def fitting_flags(cfg, kw, gpu_bytes):
-    """The first of these changes, taken in turn and kept, that brings the plan under gpu_bytes, as flags:
-    --grad-checkpointing, halving --micro-batch-size down to 1, then 2, 4, 8 ranks; None if none does."""
-    kw, flags, tries = dict(kw), {}, []
-    if not kw["ckpt"]:
-        tries.append(("ckpt", True, "--grad-checkpointing"))
-    tries += [("micro", m, f"--micro-batch-size {m}") for m in (kw["micro"] // 2**i for i in range(1, 12)) if m >= 1]
-    tries += [("world", w, f"torchrun --nproc_per_node={w}") for w in (2, 4, 8)
-              if w > kw["world"] and args.num_groups % w == 0 and args.mini_batch_size % w == 0 and args.val_groups % w == 0]
-    for key, value, flag in tries:
-        kw[key], flags[key] = value, flag
-        if memplan.fits(memplan.plan_memory(cfg, **kw)["total"], gpu_bytes):
-            return " ".join(flags.values())
-    return None
-
-
 try:
-    plan_cfg = model_config(args.model)
+    plan_cfg = memplan.model_config(args.model)
 except (OSError, ValueError) as e:  # a run goes on to load_model, which says what is wrong in its own words
     plan_cfg = None
     if args.plan is not None:
         die(f"cannot load --model {args.model}: cannot read its config: {str(e).splitlines()[0]}")
 if plan_cfg is not None:
-    gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
-    plan_kw = dict(world=world, rows=args.num_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
-                   seq=args.max_context, critic=args.algo == "ppo", ref=args.kl_coef > 0 and not args.lora_rank,
-                   bf16=args.dtype == "bf16" or (args.dtype == "auto" and gpu_plan), ckpt=args.grad_checkpointing,
-                   lora_rank=args.lora_rank)
-    plan = memplan.plan_memory(plan_cfg, **plan_kw)
-    gpu_bytes = (args.gpu_memory_gb * 2**30 if args.gpu_memory_gb is not None else
-                 torch.cuda.get_device_properties(device).total_memory if use_cuda else 80 * 2**30 if gpu_plan else None)
-    fit = gpu_bytes is None or memplan.fits(plan["total"], gpu_bytes)
-    fitting = None if fit else fitting_flags(plan_cfg, plan_kw, gpu_bytes)
+    text, refusal = memplan.check_launch(plan_cfg, args, world, use_cuda,
+                                         torch.cuda.get_device_properties(device).total_memory if use_cuda else None)
+    print0(text)
     if args.plan is not None:
-        print0(f"memory plan of --model {args.model} per rank, {world} rank{'s' * (world > 1)}, "
-               f"{'bf16' if plan_kw['bf16'] else 'fp32'} compute, micro-batch {args.micro_batch_size} x {args.max_context} "
-               f"tokens{', grad checkpointing' if args.grad_checkpointing else ''}:\n" + memplan.format_plan(plan, gpu_bytes))
-        if not fit:
-            print0(f"  fits with: {fitting}" if fitting else "  nothing here fits it: a smaller --model or larger GPUs")
         sys.exit(0)
-    print0(f"memory plan: {plan['total'] / 2**30:.2f} GB per rank" +
-           (f" of {gpu_bytes / 2**30:.1f} GB" if gpu_bytes else "") + " (--plan for its parts)")
-    if not fit and (use_cuda or args.gpu_memory_gb is not None) and not args.force:
-        die(f"the memory plan, {plan['total'] / 2**30:.1f} GB per rank, does not fit in {gpu_bytes / 2**30:.1f} GB "
-            f"(under {memplan.HEADROOM:.0%} of it); " + (f"it fits with {fitting}" if fitting else "a smaller --model or "
-            "larger GPUs") + "; --plan shows its parts, --force starts anyway")
+    if refusal:
+        die(refusal)
 
 # run directory, resume checks. A resumed run takes the same flags, except these, which change neither what is
 # trained nor the sampled tokens: where and how long it runs, what it logs, memory, and the reference paths
 RESUME_MAY_CHANGE = ("resume", "out", "steps", "save_every", "wandb", "val_every", "device", "log_trajectories_every",
                      "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
-                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler")
+                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler", "measure_activations")
 ckpt = None
 if args.resume:
     ckpt_path = os.path.join(args.resume, "ckpt.pt")
@@ -508,25 +470,6 @@ def collapse_metrics(out, step, max_pairs=64):
         L, L_sum = starpo.cross_logliks(rollout_model, prompts, [z for _, _, z in pairs], args.temperature)
         m.update({f"collapse/{name}/{k}": v for k, v in starpo.collapse_stats(L, L_sum, own, cls).items()})
     return m
-
-
-@contextmanager
-def saved_bytes(model):
-    """Bytes of the distinct storages autograd keeps for backward inside the block (held[0]), the model's own
-    parameters (and views of them) excepted: the activation memory of a micro-batch, which memplan.plan_memory
-    predicts. Activation checkpointing keeps its own inside checkpointed blocks, so with --grad-checkpointing
-    this counts only what checkpointing still stores."""
-    local = lambda q: q.to_local() if hasattr(q, "to_local") else q  # FSDP2: a DTensor's storage is its shard's
-    held, seen = [0], {local(q).untyped_storage().data_ptr() for q in model.parameters()}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            held[0] += s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield held
 
 
 # [(rows of a mini-batch, this rank's micro-batches of them)] of n rows: the update's, and the no-grad passes'
@@ -890,10 +833,11 @@ def actor_update(mine, batch, adv, old_logp, ref_logp, counts):
             actor.set_requires_gradient_sync(j == len(mine) - 1)
         tokens, am, mmask, madv, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
                                              batch["mask"], adv, old_logp)
-        with autocast(), saved_bytes(actor) as held:
+        with autocast(), (memplan.saved_bytes(actor) if args.measure_activations else nullcontext()) as held:
             logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True,
                                              mask=mmask, share_prefix=share_prefix)
-        acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
+        if held:
+            acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
         logp, ent = logp.float(), ent.float()
         pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
                                          args.dual_clip, args.loss_agg, **counts)
