@@ -1,0 +1,175 @@
+"""train.py's run directory: args.json, metrics.jsonl, ckpt.pt (what --resume continues) and hf/ (the trained model
+as a plain HF directory), written so that a run killed at any instant resumes from its last checkpoint.
+
+Files are replaced by rename. A checkpoint writes hf.tmp and ckpt.pt.tmp, renames hf -> hf.old, hf.tmp -> hf, then
+ckpt.pt.tmp -> ckpt.pt (the commit); clean_interrupted_checkpoint undoes what a kill half-way left behind. A resumed
+run drops the metrics lines written after its checkpoint.
+"""
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+
+import torch
+
+from fsdp import full_state, meta_copy
+
+# A resumed run takes the same flags, except these, which change neither what is trained nor the sampled tokens:
+# where and how long it runs, what it logs, memory, and the reference paths
+RESUME_MAY_CHANGE = ("resume", "out", "steps", "save_every", "wandb", "val_every", "device", "log_trajectories_every",
+                     "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
+                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler", "measure_activations")
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def open_run(args):
+    """The run directory of args (args.out set, default runs/<preset>-<algo>-<time>) and, with --resume, its
+    checkpoint (else None), checked: a ValueError says why this launch cannot use them."""
+    ckpt = None
+    if args.resume:
+        ckpt_path = os.path.join(args.resume, "ckpt.pt")
+        if not os.path.exists(ckpt_path):
+            raise ValueError(f"--resume {args.resume}: no ckpt.pt there")
+        # mmap: every rank maps the same file, so the page cache holds one copy of the full state dicts, not one per
+        # rank; fsdp.load_state copies them into this rank's (sharded) parameters
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        if ckpt["step"] >= args.steps:
+            raise ValueError(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} "
+                             "leaves nothing to do")
+        changed = {k: (v, getattr(args, k)) for k, v in ckpt["args"].items()
+                   if k not in RESUME_MAY_CHANGE
+                   and getattr(args, k, None) != v}
+        if changed:
+            raise ValueError(f"--resume {args.resume}: flags differ from the run's args.json: " +
+                             ", ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
+        args.out = args.resume
+    elif args.out is not None and os.path.exists(os.path.join(args.out, "ckpt.pt")):
+        raise ValueError(f"--out {args.out} holds a checkpoint: continue it with --resume {args.out}, or choose another --out")
+    if args.out is None:
+        args.out = os.path.join("runs", f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    d = os.path.abspath(args.out)
+    while not os.path.exists(d):  # the run directory, or the first of its parents that exists, must be a writable directory
+        d = os.path.dirname(d)
+    if not (os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)):
+        raise ValueError(f"--out {args.out}: cannot write there, {d} {'is not writable' if os.path.isdir(d) else 'is not a directory'}")
+    return ckpt
+
+
+def clean_interrupted_checkpoint(out):
+    """Undo what a save_checkpoint killed half-way left behind in run directory out; afterwards hf/ holds the weights
+    of ckpt.pt. save_checkpoint renames hf -> hf.old, hf.tmp -> hf, then ckpt.pt.tmp -> ckpt.pt (the commit): hf.old
+    together with ckpt.pt.tmp, or without hf, means the commit never happened, so hf.old is ckpt.pt's export."""
+    j = lambda name: os.path.join(out, name)
+    shutil.rmtree(j("hf.tmp"), ignore_errors=True)
+    if os.path.isdir(j("hf.old")):
+        if os.path.exists(j("ckpt.pt.tmp")) or not os.path.isdir(j("hf")):
+            if os.path.isdir(j("hf")):
+                os.rename(j("hf"), j("hf.tmp"))
+                shutil.rmtree(j("hf.tmp"))
+            os.rename(j("hf.old"), j("hf"))
+        else:
+            shutil.rmtree(j("hf.old"))
+    if os.path.exists(j("ckpt.pt.tmp")):  # last: while it exists, a rerun of this function redoes the above
+        os.remove(j("ckpt.pt.tmp"))
+
+
+def write_atomically(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def start_run_dir(args, world, start_step, resumed):
+    """Rank 0, before the first step: the run directory made and cleaned, args.json written (with the versions), and
+    metrics.jsonl cut to the steps before start_step on a resume (removed on a fresh start)."""
+    os.makedirs(args.out, exist_ok=True)
+    clean_interrupted_checkpoint(args.out)
+    import transformers
+    write_atomically(os.path.join(args.out, "args.json"), json.dumps(dict(
+        vars(args), git_commit=git_commit(), world_size=world, torch=torch.__version__,
+        transformers=transformers.__version__, python=platform.python_version(), cuda=torch.version.cuda), indent=1))
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if resumed and os.path.exists(metrics_path):  # drop the lines a killed run wrote after its checkpoint,
+        lines = open(metrics_path).read().split("\n")[:-1]  # and a partial last line (a kill while appending)
+        write_atomically(metrics_path, "".join(l + "\n" for l in lines if json.loads(l)["step"] < start_step))
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+
+def lora_export(model_name, lora_config, adapter_sd, adapter_dir=None):
+    """The HF export under LoRA: the --model weights reloaded (frozen while training) plus the adapter (peft
+    lora_config), merged by peft into a plain fp32 model; the adapter alone (peft format) goes to adapter_dir if given."""
+    from peft import get_peft_model
+    from rollout import load_model
+    model = get_peft_model(load_model(model_name)[0], lora_config)
+    bad = model.base_model.model.load_state_dict(adapter_sd, strict=False).unexpected_keys  # the actor's names
+    assert not bad, bad
+    if adapter_dir:
+        model.save_pretrained(adapter_dir)
+    return model.merge_and_unload()
+
+
+def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout_model, tok, master, lora_config=None):
+    """ckpt.pt and a plain HF directory <args.out>/hf, both written under temporary names and renamed in: hf first,
+    ckpt.pt last (the commit). Every rank calls it (the state dicts are gathered collectively), rank 0 (master)
+    writes. Killed at any instant, the previous checkpoint stays whole, hf/ is ahead of ckpt.pt for at most one
+    rename, and clean_interrupted_checkpoint() puts it back; a failed write raises OSError. lora_config: the peft
+    config of the actor's adapters (None: full fine-tuning)."""
+    lora = args.lora_rank > 0  # LoRA: adapters (+ critic head)
+    actor_sd, actor_osd = full_state(actor, opt, lora)
+    critic_sd, critic_osd = full_state(critic, critic_opt, lora) if critic is not None else (None, None)
+    if not master:
+        return
+    state = dict(step=step, args={k: v for k, v in vars(args).items()}, actor=actor_sd, actor_opt=actor_osd,
+                 critic=critic_sd, critic_opt=critic_osd, torch_rng=torch.get_rng_state(), monitor=monitor)
+    j = lambda name: os.path.join(args.out, name)
+    clean_interrupted_checkpoint(args.out)
+    torch.save(state, j("ckpt.pt.tmp"))
+    if lora:
+        export = lora_export(args.model, lora_config, actor_sd, os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
+    else:
+        # the rollout copy's structure holding the gathered CPU tensors themselves: no weight copy, none on the GPU
+        export = meta_copy(rollout_model)
+        export.load_state_dict(actor_sd, assign=True)
+        export.tie_weights()
+    export.save_pretrained(j("hf.tmp"))
+    tok.save_pretrained(j("hf.tmp"))
+    if os.path.isdir(j("hf")):
+        os.rename(j("hf"), j("hf.old"))
+    os.rename(j("hf.tmp"), j("hf"))
+    os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
+    shutil.rmtree(j("hf.old"), ignore_errors=True)
+
+
+def print_summary(args):
+    """The end of a run (rank 0): what moved on the held-out validation seeds (first and last validation in
+    metrics.jsonl), where the run's files are, what to run next."""
+    o, key = args.out, f"val-env/{args.val_env[0]}/success"
+    vals = [v for v in map(json.loads, open(os.path.join(o, "metrics.jsonl"))) if key in v]
+    if len(vals) > 1:
+        a, b = vals[0], vals[-1]
+        ok = lambda v, e: 1 - v[f"val-env/{e}/format_errors"] / max(v[f"val-env/{e}/num_turns"], 1e-9)
+        print(f"\nheld-out validation, {args.val_groups} seeds per preset, step {a['step']} -> {b['step']}:")
+        for e in args.val_env:
+            print(f"  {e}: success {a[f'val-env/{e}/success']:.3f} -> {b[f'val-env/{e}/success']:.3f} | score "
+                  f"{a[f'val-env/{e}/score']:.3f} -> {b[f'val-env/{e}/score']:.3f} | format-valid turns "
+                  f"{ok(a, e):.3f} -> {ok(b, e):.3f}")
+    plot = None
+    if args.demo and importlib.util.find_spec("matplotlib"):
+        from eval import plot_run
+        plot = plot_run(o)
+    print(f"\nrun directory {o}:\n  metrics.jsonl   one line of metrics per step; curves: {plot or f'python eval.py --plot {o}'}\n"
+          f"  *.jsonl         sample trajectories, every --log-trajectories-every {args.log_trajectories_every} steps")
+    if os.path.isdir(os.path.join(o, "hf")):
+        print(f"  hf/             the trained model as an HF directory; ckpt.pt continues it (--resume {o}, same flags)\n"
+              f"next: python eval.py --model {o}    # the run's val presets {args.val_env} on 256 held-out seeds", flush=True)
