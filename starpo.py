@@ -234,13 +234,6 @@ def filter_groups(values, group_size, value, kind="std", strategy="top_k", inclu
     stats.update({f"chosen_in_group_{k}": v[kept].mean().item() if kept.any() else 0.0 for k, v in per_group.items()})
     return kept.repeat_interleave(group_size), stats  # [B]
 
-def std_collapsed(stds, n=10, frac=0.1):
-    """RAGEN-2's reward-variance early stop (agent_trainer.fit): stds, the in-group reward std of every non-empty
-    step so far, in order. True when the last n of the steps after the first n are all below frac x the mean of
-    the first n."""
-    base, later = stds[:n], stds[n:][-n:]
-    return len(later) == n and all(s < frac * sum(base) / n for s in later)
-
 def adjust_rows(n, divisor, mode="copy", generator=None):
     """Row indices that make n kept rows a multiple of `divisor` (RAGEN-2 agent_trainer.adjust_batch): "copy"
     appends divisor - n % divisor randomly drawn rows (without replacement when there are enough), "delete"
@@ -420,70 +413,3 @@ def token_logprobs(model, tokens, attention_mask, temperature=1.0, chunk=256, wi
         ents.append(en)
     put = lambda x: F.pad(torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(x)), (1, 0))
     return put(logps), (put(ents) if with_entropy else None)  # [B, T], column 0 = 0
-
-# ----------------------------------------------------------------------------- collapse diagnostics (RAGEN-2)
-
-@torch.no_grad()
-def cross_logliks(model, prompts, responses, temperature=1.0, batch=16, chunk=64):
-    """Teacher-forced L[i, j] = log p(responses[i] | prompts[j]) under an HF causal LM at logits / temperature,
-    as (per-token mean [P, N], per-sequence sum [P, N]) (RAGEN-2 collapse_metrics._compute_cross_log_probs).
-    prompts, responses: lists of token-id lists; responses must be non-empty. Each prompt is prefilled once and
-    its KV cache repeated over `batch` right-padded responses (cut back to the prompt after each batch), so
-    the cost is the N prompts plus P x N response tokens, not P x N full sequences. A padded position comes after
-    every real one, so no real token sees it; its log-prob is dropped."""
-    P, N, dev = len(responses), len(prompts), model.get_output_embeddings().weight.device
-    lens = torch.tensor([len(r) for r in responses])  # [P]
-    if P == 0 or int(lens.min()) < 1:
-        raise ValueError("cross_logliks needs at least one response and no empty ones")
-    batch = min(batch, P)
-    rows = -(-P // batch) * batch  # P rounded up to whole batches (the extra rows are all padding)
-    z = torch.zeros(rows, int(lens.max()), dtype=torch.long)  # [rows, Tz] right-padded with token 0
-    for i, r in enumerate(responses):
-        z[i, :len(r)] = torch.tensor(r)
-    valid = torch.arange(z.shape[1]) < F.pad(lens, (0, rows - P))[:, None]  # [rows, Tz] padding rows: all False
-    lm_head, total = model.get_output_embeddings(), torch.zeros(rows, N)  # total [rows, N]
-    for j, x in enumerate(prompts):
-        pre = model(input_ids=torch.tensor([x], device=dev), use_cache=True, output_hidden_states=True, logits_to_keep=1)
-        cache, h0 = pre.past_key_values, pre.hidden_states[-1][:, -1:]  # h0 [1, 1, H] predicts each response's first token
-        cache.batch_repeat_interleave(batch)
-        for s in range(0, rows, batch):
-            zb = z[s:s + batch].to(dev)  # [batch, Tz]
-            h = model(input_ids=zb, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                      logits_to_keep=1).hidden_states[-1]  # [batch, Tz, H]
-            cache.crop(-zb.shape[1])  # back to the prompt (transformers 5: a negative count removes tokens)
-            h = torch.cat([h0.expand(batch, 1, -1), h[:, :-1]], dim=1)  # [batch, Tz, H] position t predicts z_t
-            lp = torch.cat([_chunk_logprobs(lm_head, h[:, c:c + chunk], zb[:, c:c + chunk], temperature, False)[0]
-                            for c in range(0, h.shape[1], chunk)], dim=1)  # [batch, Tz]
-            total[s:s + batch, j] = (lp.float().cpu() * valid[s:s + batch]).sum(1)
-    total = total[:P]  # [P, N]
-    return total / lens[:, None], total
-
-def collapse_stats(L, L_sum, own, cls=None, eps=1e-3):
-    """RAGEN-2 collapse diagnostics (ragen/trainer/collapse_metrics.py, docs/reference_mutual_information_metrics.md)
-    from cross log-likelihoods L[i, j] = log p(z_i | x_j): L [P, N] per-token mean, L_sum [P, N] per-sequence sum;
-    own [P] the column of z_i's own prompt; cls [N] one id per column, equal for identical prompts (default: all
-    different). matched_i = L[i, own_i]; marginal_i = logsumexp_j L[i, j] - log N (the uniform prompt mixture).
-    mi = mean(matched - marginal) <= log N; cond_entropy H(Z|X) = -mean(matched); entropy H(Z) = -mean(marginal);
-    mi_zscore = mean((matched - marginal) / (population std of marginal + eps)); *_seq: the same from L_sum.
-    retrieval_acc: the top column of row i is own_i or identical to it; @k: any of the top min(k, N); chance: mean
-    over rows of (#columns identical to own_i) / N, chance@k = min(1, min(k, N) x chance). Python floats."""
-    P, N = L.shape
-    own = torch.as_tensor(own, dtype=torch.long)  # [P]
-    cls = torch.arange(N) if cls is None else torch.as_tensor(cls, dtype=torch.long)  # [N]
-    out = dict(pairs=P, prompts=N, mi_upper_bound=math.log(N))
-    for sfx, M in (("", L), ("_seq", L_sum)):
-        M = M.double()
-        matched = M[torch.arange(P), own]  # [P]
-        marginal = torch.logsumexp(M, dim=1) - math.log(N)  # [P]
-        std = marginal.std(unbiased=False)  # 0-d
-        out.update({f"mi{sfx}": (matched - marginal).mean().item(), f"cond_entropy{sfx}": -matched.mean().item(),
-                    f"entropy{sfx}": -marginal.mean().item(), f"marginal_std{sfx}": std.item(),
-                    f"mi_zscore{sfx}": ((matched - marginal) / (std + eps)).mean().item()})
-    same = cls[None, :] == cls[own][:, None]  # [P, N] column j is z_i's prompt or identical to it
-    hit = same.gather(1, L.topk(min(8, N), dim=1).indices)  # [P, min(8, N)] in order of likelihood
-    chance = same.double().mean(1).mean().item()
-    out.update(retrieval_acc=hit[:, 0].double().mean().item(), retrieval_chance=chance)
-    for k in (2, 4, 8):
-        out[f"retrieval_acc@{k}"] = hit[:, :k].any(1).double().mean().item()
-        out[f"retrieval_chance@{k}"] = min(1.0, min(k, N) * chance)
-    return out

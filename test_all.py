@@ -28,6 +28,7 @@ import env_countdown as CD
 from env_frozenlake import FrozenLakeEnv, PRESETS as FROZENLAKE_PRESETS, has_path
 from env_sokoban import SokobanEnv, PRESETS as SOKOBAN_PRESETS, solve
 import env_webshop as W
+import collapse
 import eval as ev
 import rollout
 import sft
@@ -852,7 +853,7 @@ def test_countdown_leaf_and_wiring():
 
 
 # ==================================================================================================
-# StarPO maths (starpo.py)
+# StarPO maths (starpo.py) and collapse diagnostics (collapse.py)
 # ==================================================================================================
 def close(a, b, tol=1e-5):
     return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
@@ -1228,11 +1229,11 @@ def test_filter_strategies_match_plain_python():
 
 def test_std_collapsed_hand_worked():
     base = [1.0, 0.5, 1.5] + [1.0] * 7  # mean 1: the threshold is 0.1
-    assert not starpo.std_collapsed(base + [0.05] * 9)           # only 9 later steps
-    assert starpo.std_collapsed(base + [0.05] * 10)
-    assert starpo.std_collapsed(base + [0.5] + [0.05] * 10)      # the last 10 count, not all the later ones
-    assert not starpo.std_collapsed(base + [0.05] * 9 + [0.1])   # 0.1 is not under 0.1
-    assert not starpo.std_collapsed([0.0] * 20)                  # a zero baseline never collapses
+    assert not collapse.std_collapsed(base + [0.05] * 9)           # only 9 later steps
+    assert collapse.std_collapsed(base + [0.05] * 10)
+    assert collapse.std_collapsed(base + [0.5] + [0.05] * 10)      # the last 10 count, not all the later ones
+    assert not collapse.std_collapsed(base + [0.05] * 9 + [0.1])   # 0.1 is not under 0.1
+    assert not collapse.std_collapsed([0.0] * 20)                  # a zero baseline never collapses
 
 
 def test_adjust_rows_copy_delete():
@@ -1472,7 +1473,7 @@ def test_collapse_stats_hand_worked_three_prompts():
     own, lens = [0, 1, 2, 1], [2, 1, 3, 4]
     L = torch.tensor(p).log()
     L_sum = L * torch.tensor(lens, dtype=torch.float)[:, None]
-    s = starpo.collapse_stats(L, L_sum, own, [0, 1, 0])
+    s = collapse.collapse_stats(L, L_sum, own, [0, 1, 0])
     # matched = .5, .6, .3, .1; mixture = row means 1/3, 1/3, .3, .2; ratios 1.5, 1.8, 1, .5
     mi = (math.log(1.5) + math.log(1.8) + math.log(1.0) + math.log(0.5)) / 4
     assert s["mi"] == pytest.approx(mi) and s["mi_upper_bound"] == pytest.approx(math.log(3))
@@ -1486,7 +1487,7 @@ def test_collapse_stats_hand_worked_three_prompts():
     # retrieval: rows 0-2 right, row 3 wrong; chance = mean(2/3, 1/3, 2/3, 1/3) = 1/2
     assert (s["retrieval_acc"], s["retrieval_acc@2"], s["retrieval_acc@4"], s["retrieval_acc@8"]) == (0.75, 0.75, 1.0, 1.0)
     assert s["retrieval_chance"] == pytest.approx(0.5) and s["retrieval_chance@2"] == pytest.approx(1.0) == s["retrieval_chance@8"]
-    plain = starpo.collapse_stats(L, L_sum, own)  # all prompts taken as different
+    plain = collapse.collapse_stats(L, L_sum, own)  # all prompts taken as different
     assert plain["retrieval_acc"] == 0.5 and plain["retrieval_chance"] == pytest.approx(1 / 3)
     assert plain["retrieval_chance@2"] == pytest.approx(2 / 3) and plain["mi"] == pytest.approx(mi)
 
@@ -1496,7 +1497,7 @@ def test_cross_logliks_equal_teacher_forcing_of_each_concatenation():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 9, 7)]
     responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 1, 6, 4, 2)]
-    L, L_sum = starpo.cross_logliks(model, prompts, responses, temperature=0.7, batch=2)  # ragged, 3 batches
+    L, L_sum = collapse.cross_logliks(model, prompts, responses, temperature=0.7, batch=2)  # ragged, 3 batches
     for j, x in enumerate(prompts):
         for i, z in enumerate(responses):
             logp = teacher_forced_logp(model, torch.tensor([x + z]), torch.ones(1, len(x + z)), 0.7)[0, len(x):]
@@ -1517,16 +1518,16 @@ def test_mi_is_zero_for_a_prompt_blind_model_and_near_log_n_for_a_copying_one():
     # prompts that differ but end alike: the model cannot see the difference, so L has equal columns
     blind = [enc(f"state {c}: <answer>") for c in "ABCD"]
     responses = [enc(s) for s in ("Left", "Up", "Right || Down", "Down")]
-    L, L_sum = starpo.cross_logliks(model, blind, responses)
-    s = starpo.collapse_stats(L, L_sum, [0, 1, 2, 3])
+    L, L_sum = collapse.cross_logliks(model, blind, responses)
+    s = collapse.collapse_stats(L, L_sum, [0, 1, 2, 3])
     assert abs(s["mi"]) < 1e-5 and abs(s["mi_seq"]) < 1e-4 and s["mi_upper_bound"] == pytest.approx(math.log(4))
     assert s["cond_entropy"] == pytest.approx(s["entropy"], abs=1e-5)
     # prompts that end in their state letter: the model answers with that letter, so z names its prompt
     copy = [enc(f"state: {c}") for c in "ABCDEFGH"]
     z = [[torch.argmax(model(input_ids=torch.tensor([x])).logits[0, -1]).item()] for x in copy]  # greedy answers
     assert z == [x[-1:] for x in copy]
-    L, L_sum = starpo.cross_logliks(model, copy, z)
-    s = starpo.collapse_stats(L, L_sum, list(range(8)))
+    L, L_sum = collapse.cross_logliks(model, copy, z)
+    s = collapse.collapse_stats(L, L_sum, list(range(8)))
     assert math.log(8) - 0.05 < s["mi"] <= math.log(8) + 1e-6 and s["retrieval_acc"] == 1.0
     assert s["retrieval_chance"] == pytest.approx(1 / 8) and s["cond_entropy"] < 0.05
 

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import collapse
 import eval as eval_py  # the env presets and the agent settings, shared with evaluation
 import fsdp
 import memplan
 import ranks
 import rollout as rollout_py  # sampler_settings; the function rollout() is imported below
 import starpo
-from rollout import load_model, reasoning_span, rollout
+from rollout import load_model, rollout
 
 def preset_name(name):
     try:
@@ -411,39 +412,6 @@ def env_metrics(out, prefix, group_size):
     return m
 
 
-def collapse_metrics(out, step, max_pairs=64):
-    """RAGEN-2 collapse diagnostics (ragen/trainer/collapse_metrics.py) of a rollout, before filtering: up to 64
-    (x, z) pairs (rollout.reasoning_span), each z scored under every column's prompt by the rollout model
-    (starpo.cross_logliks) and reduced by starpo.collapse_stats. first_turn: first turns, one column per group
-    (a group's members share their first prompt). any_turn (multi-turn runs only): one turn drawn per trajectory
-    among its turns with a non-empty z, one column per pair (RAGEN's trajectory-uniform sample)."""
-    g = torch.Generator().manual_seed(args.seed + step)  # its own generator: the training RNG is untouched
-    spans = [[reasoning_span(tok, out["tokens"][b].tolist(), out["loss_mask"][b].tolist(), e, not args.no_think)
-              for e in ends] for b, ends in enumerate(out["turn_ends"])]  # spans[b][t] = (x, z)
-    m = {}
-    for name in ["first_turn"] + (["any_turn"] if args.max_turns > 1 else []):
-        pairs = []  # (row, x, z)
-        for b, turns in enumerate(spans):
-            ok = [t for t, (_, z) in enumerate(turns[:1] if name == "first_turn" else turns) if z]
-            if ok:
-                pairs.append((b, *turns[ok[int(torch.randint(len(ok), (1,), generator=g))]]))
-        m[f"collapse/{name}/valid_rate"] = len(pairs) / len(spans)
-        pairs = [pairs[i] for i in sorted(torch.randperm(len(pairs), generator=g)[:max_pairs].tolist())]
-        if name == "first_turn":
-            cols = sorted({int(out["group"][b]) for b, _, _ in pairs})
-            prompts = [next(x for b, x, _ in pairs if int(out["group"][b]) == c) for c in cols]
-            own = [cols.index(int(out["group"][b])) for b, _, _ in pairs]
-        else:
-            prompts, own = [x for _, x, _ in pairs], list(range(len(pairs)))
-        if len(prompts) < 2:  # MI needs two prompts at least
-            continue
-        ids = {}
-        cls = [ids.setdefault(tuple(x), len(ids)) for x in prompts]  # identical prompts share an id
-        L, L_sum = starpo.cross_logliks(rollout_model, prompts, [z for _, _, z in pairs], args.temperature)
-        m.update({f"collapse/{name}/{k}": v for k, v in starpo.collapse_stats(L, L_sum, own, cls).items()})
-    return m
-
-
 # [(rows of a mini-batch, this rank's micro-batches of them)] of n rows: the update's, and the no-grad passes'
 partition = lambda n: ranks.update_partition(n, args.mini_batch_size, args.micro_batch_size, rank, world)
 
@@ -530,61 +498,6 @@ def save_checkpoint(step, monitor):
                                    lora_config() if lora_config else None)
     except OSError as e:
         die(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}")
-
-
-def collapse_warnings(m, monitor):
-    """Collapse indicators (paper Fig. 6) of step metrics m: in-group reward std and entropy falling far below their
-    early level, a grad-norm spike, RAGEN-2's prompt-reasoning MI falling. monitor (checkpointed) keeps the history."""
-    warn = []
-    if len(monitor["early_std"]) < 5:
-        monitor["early_std"].append(m["rollout/in_group_std"])
-    elif (s0 := sum(monitor["early_std"]) / 5) > 0 and m["rollout/in_group_std"] < 0.1 * s0:
-        warn.append(f"in-group reward std {m['rollout/in_group_std']:.3g} fell below 10% of its early level {s0:.3g}")
-    if "actor/entropy" in m:  # a step left empty by the filter trained nothing and measured no entropy
-        if len(monitor["early_entropy"]) < 5:
-            monitor["early_entropy"].append(m["actor/entropy"])
-        elif (e0 := sum(monitor["early_entropy"]) / 5) > 0 and m["actor/entropy"] < 0.1 * e0:
-            warn.append(f"entropy {m['actor/entropy']:.3g} fell below 10% of its early level {e0:.3g}")
-    g = monitor["grad_norms"]
-    if len(g) >= 5 and m.get("actor/grad_norm", 0) > 10 * sorted(g)[len(g) // 2]:
-        warn.append(f"actor grad norm {m['actor/grad_norm']:.3g} is over 10x its running median")
-    mi = m.get("collapse/first_turn/mi")
-    if mi is not None and not monitor.get("early_mi"):  # the first positive measurement is the reference
-        monitor["early_mi"] = mi if mi > 0 else None
-    elif mi is not None and mi < 0.1 * monitor["early_mi"]:
-        warn.append(f"prompt-reasoning mutual information {mi:.3g} fell below 10% of its first value "
-                    f"{monitor['early_mi']:.3g}: the responses stopped depending on the prompt")
-    if math.isfinite(m.get("actor/grad_norm", float("nan"))):
-        g.append(m["actor/grad_norm"])
-        del g[:-50]
-    return warn
-
-
-def stop_reason(m, monitor, step):
-    """RAGEN-2's stops (agent_trainer.fit), as (metric name, message) or None. Always: --empty-stop-steps steps in a
-    row with nothing to train. With --early-stop: the in-group reward std of 10 consecutive steps all under 10% of
-    its mean over the first 10 non-empty steps; or a val-env success under 0.01 at 5 validations in a row."""
-    empty = m["train/batch_size"] == 0
-    monitor["empty_streak"] = monitor.get("empty_streak", 0) + 1 if empty else 0
-    m["rollout/consecutive_empty_steps"] = monitor["empty_streak"]
-    if empty:
-        print0(f"step {step}: nothing to train after filtering, step skipped ({monitor['empty_streak']} in a row)")
-    if args.empty_stop_steps and monitor["empty_streak"] >= args.empty_stop_steps:
-        return "empty_filtered_steps", f"{monitor['empty_streak']} steps in a row had nothing to train after filtering"
-    if not args.early_stop:
-        return None
-    stds = monitor.setdefault("nonempty_std", [])  # in-group reward std of every non-empty step
-    stds += [] if empty else [m["rollout/in_group_std"]]
-    if not empty and starpo.std_collapsed(stds):
-        return "reward_variance_collapse", (f"in-group reward std under 10% of its first-10-step mean "
-                                            f"{sum(stds[:10]) / 10:.3g} for 10 steps in a row")
-    low = monitor.setdefault("low_val_success", {})
-    for k, v in m.items():
-        if k.startswith("val-env/") and k.endswith("/success"):
-            low[k] = low.get(k, 0) + 1 if v < 0.01 else 0
-            if low[k] >= 5:
-                return "low_validation_success", f"{k} under 0.01 at 5 validations in a row"
-    return None
 
 
 # ----------------------------------------------------------------------------- the parts of one step
@@ -824,7 +737,8 @@ for step in bar:
     if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:
         t0 = time.time()
         say("collapse diagnostics")
-        m.update(collapse_metrics(out, step))
+        m.update(collapse.collapse_metrics(rollout_model, tok, out, args.seed + step, not args.no_think, args.max_turns > 1,
+                                           args.temperature))
         timing["collapse"] = time.time() - t0
 
     # 2. select rows: normalise the scores, filter whole groups, adjust the row count, place the rewards
@@ -864,10 +778,10 @@ for step in bar:
     timing["step"] = time.time() - t_step
     perf, line = step_summary(m, timing, out, batch)
     m.update(perf)
-    m["warnings"] = collapse_warnings(m, monitor)
+    m["warnings"] = collapse.collapse_warnings(m, monitor)
     for w in m["warnings"]:
         print0(f"step {step}: WARNING {w}")
-    stop = stop_reason(m, monitor, step)
+    stop = collapse.stop_reason(m, monitor, step, args.empty_stop_steps, args.early_stop, print0)
     if stop:
         m[f"early_stopped/{stop[0]}"] = 1.0
     log(m)
