@@ -15,8 +15,8 @@ Episodes are played by rollout.rollout(), the same agent loop that training uses
 import argparse
 import fnmatch
 import json
+import math
 import os
-import re
 import sys
 import time
 
@@ -85,10 +85,7 @@ def pass_at_k(n, c, k):
         raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
     if n - c < k:
         return 1.0
-    prob_all_fail = 1.0
-    for i in range(n - c + 1, n + 1):
-        prob_all_fail *= 1.0 - k / i
-    return 1.0 - prob_all_fail
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))  # the probability that all k fail
 
 
 def episode_records(out, tok, preset_key, seeds, sample_of):
@@ -106,8 +103,7 @@ def episode_records(out, tok, preset_key, seeds, sample_of):
             prev_end = end
         records.append(dict(preset=preset_key, seed=seeds[b], sample=sample_of[b], success=bool(out["success"][b]),
                             score=round(float(out["scores"][b]), 6), penalty=round(float(out["penalty"][b]), 6),
-                            turn_rewards=out["turn_rewards"][b],
-                            stats={k: v[b].item() for k, v in out["stats"].items()},
+                            turn_rewards=out["turn_rewards"][b], stats={k: v[b].item() for k, v in out["stats"].items()},
                             turns=turns, text=out["text"][b]))
     return records
 
@@ -254,8 +250,7 @@ def read_metrics(run_dir):
 def plot_run(*run_dirs, out=None, baselines=()):
     """Draw the training curves of one or more runs into one figure, one colour per run when there are several
     (line style = metric), and return its path: `out`, default <run>/curves.png, or <first run>/compare.png.
-    baselines: (name, success) pairs drawn as grey horizontal lines on the success panel (a scripted policy, the
-    start model's own evaluation)."""
+    baselines: (name, success) pairs drawn as grey lines on the success panel (a scripted policy, the start model)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -292,7 +287,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plot", nargs="+", default=None, metavar="RUN_DIR", help="draw a run's curves into RUN_DIR/curves.png; "
                    "several runs: overlaid, into <first>/compare.png (or --out FILE.png)")
-    p.add_argument("--baseline", nargs="+", default=[], metavar="NAME=SUCCESS", help="with --plot: reference success "
+    baseline = lambda text: (text.rpartition("=")[0], float(text.rpartition("=")[2]))  # NAME=SUCCESS; argparse says if not
+    p.add_argument("--baseline", nargs="+", type=baseline, default=[], metavar="NAME=SUCCESS", help="with --plot: reference success "
                    "rates drawn as horizontal lines, e.g. random=0.19 warm-up=0.15")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
@@ -323,10 +319,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>); with --plot: the PNG")
     args = p.parse_args(argv)
     if args.plot:
-        baselines = [b.rsplit("=", 1) for b in args.baseline]
-        if any(len(b) != 2 for b in baselines) or not all(re.fullmatch(r"-?[0-9.]+(e-?[0-9]+)?", y) for _, y in baselines):
-            die(f"--baseline takes NAME=SUCCESS pairs, e.g. random=0.19; got {' '.join(args.baseline)}")
-        print(plot_run(*args.plot, out=args.out, baselines=[(n, float(y)) for n, y in baselines]))
+        print(plot_run(*args.plot, out=args.out, baselines=args.baseline))
     elif args.model is None:
         die("give --model (or --plot RUN_DIR)")
     else:

@@ -32,13 +32,6 @@ import rollout as rollout_py  # sampler_settings; the function rollout() is impo
 import starpo
 from rollout import load_model, rollout
 
-def preset_name(name):
-    try:
-        return eval_py.preset_name(name)
-    except ValueError as e:
-        sys.exit(f"train.py: {e}")
-
-
 # ----------------------------------------------------------------------------- CLI
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help: the docstring as written, each flag with its default (a None default: the help says it)."""
@@ -206,7 +199,7 @@ def resolve_args(argv, world):
     mix = [e.rsplit(":", 1) if ":" in e else [e, ""] for e in args.env]
     if any(not (n.isdigit() and int(n) > 0) for _, n in mix if n or len(mix) > 1):
         sys.exit("train.py: to mix presets give each a positive group count, e.g. --env SimpleSokoban:4 FrozenLake:4")
-    args.env_mix = [[preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
+    args.env_mix = [[eval_py.preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
     if len({e for e, _ in args.env_mix}) < len(args.env_mix):
         sys.exit("train.py: a preset appears twice in --env")
     args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
@@ -215,7 +208,7 @@ def resolve_args(argv, world):
             setattr(args, key, eval_py.ENV_CLASSES[args.env][1].get(key, default))
     if args.val_env is None:
         args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
-    args.val_env = [preset_name(v) for v in args.val_env]
+    args.val_env = [eval_py.preset_name(v) for v in args.val_env]
     if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
         sys.exit("train.py: --bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
     windowed = args.context_window_mode != "full" or args.max_context_window > 0  # rows no longer hold whole episodes
@@ -260,7 +253,10 @@ def resolve_args(argv, world):
     return args, world, row_multiple, windowed, keeps
 
 
-args, world, row_multiple, windowed, keeps = resolve_args(sys.argv[1:], world)
+try:
+    args, world, row_multiple, windowed, keeps = resolve_args(sys.argv[1:], world)
+except ValueError as e:  # an unknown preset
+    sys.exit(f"train.py: {e}")
 
 # ----------------------------------------------------------------------------- compute init
 use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
