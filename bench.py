@@ -10,6 +10,7 @@
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
 """
 import argparse
+import copy
 import time
 
 import torch
@@ -471,6 +472,22 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     want = "efficient_attention" if cuda else "flash_attention_for_cpu"
     line("SDPA kernel", any(want in k for k in ran) and not any("math" in k for k in ran),
          f"{', '.join(ran) or 'none'} (want {want}, no math)")
+
+    # the sampler's logits of a bf16 model are the fp32 product of its hidden state (on CUDA one GEMM with an fp32
+    # output, a path the CPU has no kernel for; on the CPU the upcast product)
+    low = qwen if cuda else copy.deepcopy(model).to(torch.bfloat16)
+    seen = []
+    hook = low.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    ids = torch.tensor(prompts[:2], device=device)                                       # [2, 100]
+    cache = rollout.KVCache(low, 2, ids.shape[1] + 1)
+    with torch.no_grad():
+        logits = rollout.forward_cached(low, cache.k, cache.v, cache.lens, ids, torch.full((2,), ids.shape[1], device=device),
+                                        ids.shape[1])                                  # [2, V]
+    hook.remove()
+    want = seen[-1].float() @ low.lm_head.weight.float().T                             # [2, V]
+    err, top = (logits - want).abs().max().item(), want.abs().max().item()
+    line("fp32 logits", logits.dtype == torch.float32 and err <= 1e-3 * max(1.0, top),
+         f"{logits.dtype}, max error {err:.2e} against the fp32 product (logits up to {top:.1f})")
 
     # 4: one train.py step, its peak memory against the plan it prints
     out = tempfile.mkdtemp()
