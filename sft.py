@@ -95,8 +95,8 @@ def demo_responder(policy, epsilon, seeds, settings, seed):
 
 
 def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, seed):
-    """Play the demonstrations of one preset through rollout(). Returns (rows, successes): rows as
-    (tokens [T], loss_mask [T]) pairs, one per episode, and how many episodes the env scored a success."""
+    """Play the demonstrations of one preset through rollout(). Returns (rows, successes): one row per episode in
+    rollout.pack_rows' layout (episode, token ids, answer flags, log-probs 0), and how many the env scored a success."""
     cls = eval_py.ENV_CLASSES[preset_key][0]
     rows, wins = [], 0
     for i in range(0, len(seeds), CHUNK):
@@ -107,27 +107,17 @@ def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, see
                                  split="train" if cls is env_webshop.WebShopEnv else None, **settings)
         for r in range(len(chunk)):
             n = int(out["attention_mask"][r].sum())
-            rows.append((out["tokens"][r, :n], out["loss_mask"][r, :n]))
+            rows.append((i + r, out["tokens"][r, :n].tolist(), out["loss_mask"][r, :n].tolist(), [0.0] * n))
         wins += int(out["success"].sum())
     return rows, wins
 
 
 # ----------------------------------------------------------------------------- the loss
-def pad_batch(rows, pad_id):
-    """Right-pad (tokens, loss_mask) rows: tokens, attention_mask, loss_mask, each [B, T]."""
-    T = max(len(t) for t, _ in rows)
-    tokens = torch.full((len(rows), T), pad_id, dtype=torch.long)   # [B, T]
-    attention_mask = torch.zeros(len(rows), T, dtype=torch.bool)    # [B, T]
-    loss_mask = torch.zeros(len(rows), T, dtype=torch.bool)         # [B, T]
-    for r, (t, m) in enumerate(rows):
-        tokens[r, :len(t)], attention_mask[r, :len(t)], loss_mask[r, :len(t)] = t, True, m
-    return tokens, attention_mask, loss_mask
-
-
 def sft_loss(model, tokens, attention_mask, loss_mask):
     """Summed cross-entropy of the loss-masked tokens given everything before them (the caller divides by the
     token count over all ranks, so that any number of ranks takes the same token mean). Only the positions that
-    predict a masked token go through lm_head (a [N, V] logit matrix instead of [B, T, V])."""
+    predict a masked token go through lm_head (a [N, V] logit matrix instead of [B, T, V]). model is called as a
+    module (not through starpo.token_logprobs, which calls its submodules) so that DDP's wrapper syncs gradients."""
     predicts = torch.zeros_like(loss_mask)                          # [B, T] position t predicts token t + 1
     predicts[:, :-1] = loss_mask[:, 1:]
     logits = model(input_ids=tokens, attention_mask=attention_mask.long(), logits_to_keep=predicts).logits  # [N, V]
@@ -213,7 +203,7 @@ def main(argv=None):
         rows += got
         say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings['max_turns']} "
             f"turns x {settings['max_actions_per_turn']} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "
-            f"{sum(int(m.sum()) for _, m in got) / len(got):.0f} answer tokens / episode")
+            f"{sum(sum(flags) for _, _, flags, _ in got) / len(got):.0f} answer tokens / episode")
     say(f"rendered {len(rows)} episodes in {time.perf_counter() - t0:.1f} s")
 
     if args.train_layers:
@@ -242,7 +232,8 @@ def main(argv=None):
         while len(order) < args.batch_size:  # epochs back to back, each a fresh permutation
             order += torch.randperm(len(rows), generator=gen).tolist()
         batch, order = order[:args.batch_size], order[args.batch_size:]
-        tokens, attn, mask = (x.to(device) for x in pad_batch([rows[i] for i in batch[rank::world]], pad))
+        mine = [rows[i] for i in batch[rank::world]]
+        tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(mine, pad)[:3])  # [B, T] each
         n = mask[:, 1:].sum().float()  # this rank's loss tokens; the mean is over every rank's
         if ddp:
             dist.all_reduce(n)
