@@ -1873,6 +1873,27 @@ def test_gumbel_sampler_draws_from_the_softmax_and_nucleus():
     assert freq[0] == 0 and freq[3] == 0 and abs(freq[2] - p[0] / p.sum()) < 0.01
 
 
+def test_sampler_noise_is_splitmix64_of_the_key_and_the_vocab_index():
+    # the counter-based RNG against an independent reference: splitmix64's finaliser in Python's unbounded ints, and
+    # the Gumbel-max draw written out of place; the sampler computes it in place, and must leave its inputs alone
+    def mix(z):  # splitmix64 finaliser on an unsigned 64-bit int
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2 ** 64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2 ** 64
+        return z ^ (z >> 31)
+    signed = lambda z: z - 2 ** 64 if z >= 2 ** 63 else z
+    keys = torch.tensor([0, 1, -1, 2 ** 62 + 12345, -(2 ** 63), 987654321])
+    kept = keys.clone()
+    assert rollout.mix64(keys).tolist() == [signed(mix(k % 2 ** 64)) for k in keys.tolist()]
+    logits = torch.randn(len(keys), 50, generator=torch.Generator().manual_seed(0)) * 3   # [B, V]
+    tok, lp = rollout.sample_next(logits, keys, temperature=0.7)
+    assert torch.equal(keys, kept)
+    logp = torch.log_softmax(logits / 0.7, -1)
+    for b, k in enumerate(keys.tolist()):
+        x = [mix((mix(k % 2 ** 64) + v * (0x9E3779B97F4A7C15)) % 2 ** 64) for v in range(50)]
+        u = torch.tensor([((z & 0xFFFFFF) + 0.5) / 2 ** 24 for z in x], dtype=torch.float32)   # [V]
+        assert tok[b] == (logp[b] - torch.log(-torch.log(u))).argmax() and lp[b] == logp[b, tok[b]]
+
+
 def test_sampling_is_the_same_whatever_the_batch_split(tiny):
     # what makes 1-process and N-rank training sample the same trajectories: noise keyed per episode
     model, tok = tiny
