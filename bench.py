@@ -4,6 +4,7 @@
   python bench.py --only sampler --batch 8 --new-tokens 32
   python bench.py --only envs                      # reset / step medians of every env preset
   python bench.py --only logprobs --batch 4 --turns 3 --turn-tokens 24    # the update's lm_head: sampled tokens only
+  python bench.py --only step --threads 2 --repeats 2   # one multi-turn PPO train.py step by phase (--against DIR: vs another checkout)
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
   python bench.py --gpu-check                      # first thing on a GPU machine: PASS / FAIL per line, exit 1 on a FAIL
 
@@ -291,27 +292,29 @@ def save_qwen25_shape(path, layers=24):
 STEP = ("--env CoordFrozenLakeDet --no-think --algo ppo --max-turns 3 --max-actions-per-turn 4 --max-new-tokens 48 "
         "--num-groups 4 --group-size 8 --filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --lr 2e-5 "
         "--critic-lr 1e-4 --val-every 0 --collapse-every 0 --steps 1 --log-trajectories-every 0")
-STEP_SIDES = {"before": "--no-prefix-sharing --old-logp recompute",  # every speed-up off
-              "after": "--old-logp sampler"}                         # on: the flags a multi-turn CPU run should use
+STEP_SIDES = {"before": "--no-prefix-sharing",  # the one speed-up a flag turns off
+              "after": ""}                      # the defaults
 
 
-def time_step(model, repeats, threads, sides=STEP_SIDES):
+def time_step(model, repeats, threads, against=None):
     """One train.py step (STEP) per side, sides interleaved `repeats` times, each a fresh process on the same seed;
-    per phase (train.py's timing_s/*) the min and spread of each side and the speed-up. The sides must compute the
-    same step: the scores and the losses are printed next to each other (old log-probs from the sampler differ
-    from the recomputed ones by the logged rollout/sampler_logp_abs_diff, fp32 rounding on the CPU)."""
+    per phase (train.py's timing_s/*) the min and spread of each side and the speed-up. Sides: STEP_SIDES, or with
+    `against` (another checkout, e.g. a git worktree of an older commit) that checkout's train.py against this
+    one's, both with the defaults. The sides must compute the same step: the scores and losses are printed side
+    by side."""
     import json
     import os
     import subprocess
     import sys
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
+    sides = {"before": (against, ""), "after": (here, "")} if against else {k: (here, v) for k, v in STEP_SIDES.items()}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else dict(os.environ)
     times, last = {name: {} for name in sides}, {}
     for _ in range(repeats):
-        for name, flags in sides.items():
+        for name, (tree, flags) in sides.items():
             out = tempfile.mkdtemp()
-            cmd = [sys.executable, os.path.join(here, "train.py"), "--model", model, *STEP.split(), *flags.split(), "--out", out]
+            cmd = [sys.executable, os.path.join(tree, "train.py"), "--model", model, *STEP.split(), *flags.split(), "--out", out]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode:
                 raise SystemExit(f"train.py exited with {r.returncode}\n" + r.stdout[-2000:] + r.stderr[-3000:])
@@ -321,10 +324,10 @@ def time_step(model, repeats, threads, sides=STEP_SIDES):
                     times[name].setdefault(k[9:], []).append(v)
             print(f"  {name:7s} step {last[name]['timing_s/step']:7.1f} s", flush=True)
     a, b = sides
-    print(f"multi-turn PPO step, --model {model} {STEP}\n  {a}: {sides[a]}\n  {b}: {sides[b]}")
+    print(f"multi-turn PPO step, --model {model} {STEP}\n  {a}: {' '.join(sides[a])}\n  {b}: {' '.join(sides[b])}")
     for phase in ("rollout", "old_logp", "ref_values", "update", "step"):
         ta, tb = times[a][phase], times[b][phase]
-        gain = ratio(ta, tb) if min(tb) > 0.05 else "(phase skipped)"
+        gain = ratio(ta, tb) if min(ta) > 0.05 and min(tb) > 0.05 else "(phase skipped)"
         print(f"  {phase:10s} {a} {spread(ta)}  ->  {b} {spread(tb)}   {gain}")
     env_key = "train/CoordFrozenLakeDet/"
     for k in (env_key + "score", env_key + "prefill_tokens", env_key + "prefill_saved", "critic/vf_loss", "actor/pg_loss",
@@ -538,6 +541,8 @@ if __name__ == "__main__":
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="decode bench: memory bandwidth, bytes/s")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--env-seeds", type=int, default=1000, help="envs bench: seeds per preset")
+    parser.add_argument("--against", metavar="DIR", help="step bench: time DIR's train.py (another checkout, e.g. `git "
+                        "worktree add DIR <commit>`) against this one's, both with the defaults")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side, the sides interleaved (ratios: min over min)")
     parser.add_argument("--gpu-check", action="store_true", help="PASS / FAIL checks of the GPU path (on the CPU: "
                         "with the CUDA-graph emulations); exits 1 on any FAIL")
@@ -563,7 +568,7 @@ if __name__ == "__main__":
     if args.repeats < 1:
         raise SystemExit("bench.py: --repeats must be >= 1")
     if args.only == "step":  # train.py processes: the model loads in each
-        time_step(args.model, args.repeats, args.threads)
+        time_step(args.model, args.repeats, args.threads, args.against)
         raise SystemExit
     if args.only in ("all", "envs"):
         time_envs(args.env_seeds)

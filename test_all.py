@@ -2340,6 +2340,20 @@ def test_gpu_check_runs_on_the_cpu_with_the_emulations():
     assert r.returncode == 0 and lines == ["PASS", "PASS", "PASS", "PASS", "INFO", "INFO"], r.stdout + r.stderr[-3000:]
 
 
+
+@pytest.mark.slow
+def test_step_bench_times_every_phase_of_both_sides(tmp_path):
+    # bench.py --only step on the tiny model: train.py's step, per phase, on both sides; --against another checkout
+    # (here this one again) runs that checkout's train.py; both sides must report the same scores and losses
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--only", "step", "--model", "tiny", "--repeats", "1",
+                        "--against", HERE], capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rows = {l.split()[0]: l for l in r.stdout.splitlines() if l.startswith("  ")}
+    assert set(rows) >= {"rollout", "old_logp", "ref_values", "update", "step", "critic/vf_loss"}, r.stdout
+    assert "(phase skipped)" in rows["old_logp"]  # one mini-batch: the update's own forward gives its old log-probs
+    before, after = rows["critic/vf_loss"].split()[2], rows["critic/vf_loss"].split()[4]
+    assert before == after, rows["critic/vf_loss"]
+
 # ------------------------------------------------------------------ log-probs from fp32 logits
 def large_logit_model():
     """The tiny model with its final norm scaled so that the top logits lie in [16, 32), where bf16's spacing is
@@ -2572,7 +2586,8 @@ def assert_same_as_one_process(one, two):
     a, b = read_metrics(one), read_metrics(two)
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
-        for k in ("train/FrozenLake/score", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm"):
+        for k in ("train/FrozenLake/score", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/grad_norm",
+                  "rollout/sampler_logp_abs_diff"):
             assert (k in x) == (k in y), k
             if k in x:
                 assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k)
@@ -2589,7 +2604,8 @@ def test_two_ranks_match_one_process(tmp_path, case):
     with MixedPrecisionPolicy(bf16 params, fp32 reduce); no trajectory files with --log-trajectories-every 0, not
     even from validation. 3-row-groups: a filter keeping a varying number of rows, the copy adjust on 2 ranks."""
     if case == "fp32-ppo":
-        flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3"]
+        flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3",
+                 "--ppo-epochs", "2"]  # epoch 2 reads the old log-probs that epoch 1's first mini-batch filled in on each rank
     elif case == "bf16-static-sampler":
         flags = [*TINY, "--env", "bandit", "--algo", "grpo", "--steps", "1", "--val-every", "1", "--val-groups", "6",
                  "--collapse-every", "0", "--max-new-tokens", "6", "--dtype", "bf16", "--sampler", "static",
@@ -2927,6 +2943,35 @@ def test_lr_zero_bf16_ratio_is_exactly_one(tmp_path, micro):
     assert m["train/batch_size"] == 8
     assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"], m["actor/approx_kl"]) == (1.0, 1.0, 0.0, 0.0), m
 
+
+
+COUNT_LOGPROB_PASSES = ("import atexit, json, os, torch, starpo\n_tl, calls = starpo.token_logprobs, []\n"
+                        "def counted(model, tokens, *a, **k):\n"
+                        "    calls.append((torch.is_grad_enabled(), tokens.shape[0]))\n"
+                        "    return _tl(model, tokens, *a, **k)\n"
+                        "starpo.token_logprobs = counted\n"
+                        "atexit.register(lambda: open(os.environ['CALLS_OUT'], 'w').write(json.dumps(calls)))\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mini,epochs,no_grad_rows", [("8", "1", 0), ("4", "2", 4)])
+def test_old_logprobs_of_the_first_mini_batch_come_from_the_update_itself(tmp_path, mini, epochs, no_grad_rows):
+    # the first mini-batch's first forward runs on the weights of the rollout, so its log-probs are the recomputed
+    # old log-probs: the no-grad pass skips those rows. At --lr 0 every epoch's ratio is then exactly 1 only if
+    # they were kept for the later epochs, and the other mini-batches still come from the no-grad pass
+    (tmp_path / "sitecustomize.py").write_text(COUNT_LOGPROB_PASSES)
+    out, calls = str(tmp_path / "run"), tmp_path / "calls.txt"
+    run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--group-size", "4", "--mini-batch-size", mini,
+              "--micro-batch-size", "2", "--ppo-epochs", epochs, "--lr", "0", "--critic-lr", "0", "--filter-ratio", "1",
+              "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--max-new-tokens", "24", "--out", out,
+              env=dict(PYTHONPATH=os.pathsep.join([str(tmp_path), HERE]), CALLS_OUT=str(calls)))
+    m = read_metrics(out)[0]
+    assert m["train/batch_size"] == 8
+    assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"]) == (1.0, 1.0, 0.0), m
+    calls = json.loads(calls.read_text())  # [(grad enabled, rows)] per call
+    assert sum(n for grad, n in calls if not grad) == no_grad_rows, calls
+    assert sum(n for grad, n in calls if grad) == 8 * int(epochs), calls
+    assert m["rollout/sampler_logp_abs_diff"] < 1e-5  # over all kept rows, the update's first mini-batch included
 
 # ==================================================================================================
 # Checkpoints and resume: kill train.py at any instant, resume on any world size, export

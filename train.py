@@ -419,12 +419,13 @@ def trim(attention_mask, idx, *tensors):
 
 
 @torch.no_grad()
-def forward_pass(model, batch, what):
+def forward_pass(model, batch, what, skip_first=False):
     """logp, entropy or values (what) of this rank's share of the rows of batch (tokens, attention_mask, loss_mask,
-    a multiple of world rows), gathered; logp and entropy only at batch["loss_mask"] (0 elsewhere)."""
+    a multiple of world rows), gathered; logp and entropy only at batch["loss_mask"] (0 elsewhere).
+    skip_first: leave the update's first mini-batch out (zeros there)."""
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
-    for mb in [mb for _, mine in partition(n) for mb in mine]:
+    for mb in [mb for _, mine in partition(n)[1 if skip_first else 0:] for mb in mine]:
         tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
         with autocast():
             if what == "values":
@@ -555,14 +556,21 @@ def place_rewards(out, idx, mask, scores):
 
 
 def old_logprobs(batch, say):
-    """[K, T] the kept rows' old log-probs: recomputed by the actor before the update (RAGEN), or the sampler's;
-    with the sampler's distance from them as a metric."""
+    """[K, T] the kept rows' old log-probs: the sampler's, or recomputed by the actor (RAGEN). Recomputed, the first
+    mini-batch's rows are left at 0 here: the update's first forward runs on these same weights, on the same
+    micro-batches (update_partition), so it computes them itself, to the last bit, and fills them in (actor_update)."""
     if args.old_logp == "sampler":
-        return batch["old_logp"], {}
+        return batch["old_logp"]
     say("old log-probs")
-    old = forward_pass(actor, batch, "logp")  # 0 off the loss mask, as the sampler's
+    return forward_pass(actor, batch, "logp", skip_first=True)  # 0 off the loss mask, as the sampler's
+
+
+def sampler_distance(batch, old_logp):
+    """The mean |sampler log-prob - recomputed old log-prob| over the loss tokens (no metric with --old-logp sampler)."""
+    if args.old_logp == "sampler":
+        return {}
     mask = batch["mask"]
-    return old, {"rollout/sampler_logp_abs_diff": ((batch["old_logp"] - old).abs() * mask).sum().item() / max(mask.sum().item(), 1)}
+    return {"rollout/sampler_logp_abs_diff": ((batch["old_logp"] - old_logp).abs() * mask).sum().item() / max(mask.sum().item(), 1)}
 
 
 def reference_and_values(batch, say):
@@ -626,9 +634,10 @@ def critic_update(mine, batch, returns, values, counts):
     return part, acc
 
 
-def actor_update(mine, batch, adv, old_logp, ref_logp, counts):
+def actor_update(mine, batch, adv, old_logp, ref_logp, counts, fill_old=False):
     """One actor optimizer step over this rank's micro-batches `mine` of a mini-batch: clipped policy loss, entropy
-    bonus, KL loss to ref_logp if given. Returns (summed loss terms, metrics per micro-batch) as critic_update."""
+    bonus, KL loss to ref_logp if given. Returns (summed loss terms, metrics per micro-batch) as critic_update.
+    fill_old: these rows' old log-probs are this forward's (written into old_logp, for the later epochs)."""
     part, acc = {}, {}
     opt.zero_grad(set_to_none=True)
     for j, mb in enumerate(mine):
@@ -642,6 +651,9 @@ def actor_update(mine, batch, adv, old_logp, ref_logp, counts):
         if held:
             acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
         logp, ent = logp.float(), ent.float()
+        if fill_old:
+            mold = logp.detach()
+            old_logp[mb, :mold.shape[1]] = mold.cpu()
         pg_loss, pm = starpo.policy_loss(logp, mold, madv, mmask, args.clip_low, args.clip_high,
                                          args.dual_clip, args.loss_agg, **counts)
         loss = pg_loss - args.entropy_coef * starpo.aggregate(ent, mmask, args.loss_agg, **counts)
@@ -674,7 +686,12 @@ def update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
             mask = batch["mask"][mb_rows]  # global token / row counts of this mini-batch (known on every rank)
             counts = dict(token_count=mask.sum().item(), seq_count=int(mask.any(-1).sum()))  # rows with a loss token
             part, got = critic_update(mine, batch, returns, values, counts) if critic is not None else ({}, {})
-            actor_part, actor_got = actor_update(mine, batch, adv, old_logp, ref_logp, counts)
+            fill_old = epoch == 0 and i == 0 and args.old_logp == "recompute"  # see old_logprobs
+            actor_part, actor_got = actor_update(mine, batch, adv, old_logp, ref_logp, counts, fill_old)
+            if fill_old and ddp:  # each row was filled on one rank, zeros elsewhere: every rank gets them all
+                filled = old_logp[mb_rows].to(device)
+                dist.all_reduce(filled)
+                old_logp[mb_rows] = filled.cpu()
             if not math.isfinite(actor_got["actor/grad_norm"][0]):
                 monitor["skipped"] += 1
                 print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
@@ -749,8 +766,7 @@ for step in bar:
 
     # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
     t0 = time.time()
-    old_logp, om = old_logprobs(batch, say)
-    m.update(om)
+    old_logp = old_logprobs(batch, say)
     timing["old_logp"] = time.time() - t0
     t0 = time.time()
     ref_logp, values = reference_and_values(batch, say)
@@ -765,6 +781,7 @@ for step in bar:
     # 5. PPO updates, then the rollout copy takes the new weights
     t0 = time.time()
     m.update(update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
+    m.update(sampler_distance(batch, old_logp))  # old_logp is complete now
     timing["update"] = time.time() - t0
     t0 = time.time()
     m["perf/sync_gathered_mb"] = sync_rollout_weights() / 2**20
