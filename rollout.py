@@ -313,10 +313,10 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     # the bf16 GEMM writes fp32 itself (mm's out_dtype: no autograd, fine here); an fp32 copy of the [V, d] weight
     # every decode step would more than double its memory traffic
     h, w = m.norm(last), model.lm_head.weight                                   # [B, d], [V, d]
-    if h.is_cuda and h.dtype != torch.float32:
-        return torch.mm(h, w.t(), out_dtype=torch.float32)                      # [B, V]
-    # (W @ h^T)^T: the same dot products; on the CPU MKL runs the [V, d] x [d, B] orientation faster than
-    # h @ W^T for a decode batch of a few dozen rows
+    if h.is_cuda:
+        return torch.mm(h, w.t(), out_dtype=torch.float32) if h.dtype != torch.float32 else F.linear(h, w)  # [B, V]
+    # the CPU: (W @ h^T)^T, the same dot products (summed in another order for some batch sizes: last-bit
+    # differences), which MKL runs faster than h @ W^T for a decode batch of a few dozen rows
     return torch.mm(w.float(), h.float().t()).t().contiguous()                  # [B, V]
 
 
@@ -325,10 +325,11 @@ _M = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # split
 
 def mix64(x, inplace=False):
     """splitmix64's finaliser on int64 tensors (multiplication wraps; shifts made logical by masking).
-    inplace: overwrite x (a temporary of the caller's), which saves the sampler an allocation per op."""
+    inplace: overwrite x (a temporary of the caller's): one [B, V] temporary per round instead of four."""
     x = x if inplace else x.clone()
     for s, m in ((30, _M[1]), (27, _M[2]), (31, None)):
-        x ^= (x >> s) & ((1 << (64 - s)) - 1)
+        t = x >> s
+        x ^= t.bitwise_and_((1 << (64 - s)) - 1)
         if m is not None:
             x *= m
     return x

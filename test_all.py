@@ -1885,8 +1885,9 @@ def test_sampler_noise_is_splitmix64_of_the_key_and_the_vocab_index():
     kept = keys.clone()
     assert rollout.mix64(keys).tolist() == [signed(mix(k % 2 ** 64)) for k in keys.tolist()]
     logits = torch.randn(len(keys), 50, generator=torch.Generator().manual_seed(0)) * 3   # [B, V]
+    logits_kept = logits.clone()
     tok, lp = rollout.sample_next(logits, keys, temperature=0.7)
-    assert torch.equal(keys, kept)
+    assert torch.equal(keys, kept) and torch.equal(logits, logits_kept)
     logp = torch.log_softmax(logits / 0.7, -1)
     for b, k in enumerate(keys.tolist()):
         x = [mix((mix(k % 2 ** 64) + v * (0x9E3779B97F4A7C15)) % 2 ** 64) for v in range(50)]
@@ -2350,6 +2351,7 @@ def test_step_bench_times_every_phase_of_both_sides(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rows = {l.split()[0]: l for l in r.stdout.splitlines() if l.startswith("  ")}
     assert set(rows) >= {"rollout", "old_logp", "ref_values", "update", "step", "critic/vf_loss"}, r.stdout
+    assert rows["before:"].split()[1:] == [HERE], rows["before:"]  # the other checkout, its defaults (no flag)
     assert "(phase skipped)" in rows["old_logp"]  # one mini-batch: the update's own forward gives its old log-probs
     before, after = rows["critic/vf_loss"].split()[2], rows["critic/vf_loss"].split()[4]
     assert before == after, rows["critic/vf_loss"]
@@ -2744,6 +2746,7 @@ def test_lora_sync_gathers_only_the_adapters(tmp_path):
     (["--context-window-mode", "single_turn", "--turn-rewards"], "--turn-rewards and --bi-level-gae need whole episodes"),
     (["--plan", "-2"], "--plan -2: the number of ranks"),
     (["--lora-rank", "4", "--lora-target", "q_proj,lm_head"], "--lora-target lm_head: the log-prob passes"),
+    (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
 ])
 def test_bad_flags_give_one_line_errors(flags, message):
     r = run_train(*TINY, "--steps", "1", *flags, check=False)
@@ -2945,33 +2948,43 @@ def test_lr_zero_bf16_ratio_is_exactly_one(tmp_path, micro):
 
 
 
-COUNT_LOGPROB_PASSES = ("import atexit, json, os, torch, starpo\n_tl, calls = starpo.token_logprobs, []\n"
-                        "def counted(model, tokens, *a, **k):\n"
-                        "    calls.append((torch.is_grad_enabled(), tokens.shape[0]))\n"
-                        "    return _tl(model, tokens, *a, **k)\n"
-                        "starpo.token_logprobs = counted\n"
-                        "atexit.register(lambda: open(os.environ['CALLS_OUT'], 'w').write(json.dumps(calls)))\n")
+RECORD_LOGPROB_PASSES = ("import atexit, json, os, torch, starpo\n_tl, _pl, calls, losses = starpo.token_logprobs, starpo.policy_loss, [], []\n"
+                         "def counted(model, tokens, *a, **k):\n"
+                         "    calls.append((torch.is_grad_enabled(), tokens.shape[0]))\n"
+                         "    return _tl(model, tokens, *a, **k)\n"
+                         "def recorded(logp, old, adv, mask, *a, **k):\n"
+                         "    losses.append((logp[mask > 0].tolist(), old[mask > 0].tolist()))\n"
+                         "    return _pl(logp, old, adv, mask, *a, **k)\n"
+                         "starpo.token_logprobs, starpo.policy_loss = counted, recorded\n"
+                         "atexit.register(lambda: open(os.environ['CALLS_OUT'], 'w').write(json.dumps([calls, losses])))\n")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mini,epochs,no_grad_rows", [("8", "1", 0), ("4", "2", 4)])
-def test_old_logprobs_of_the_first_mini_batch_come_from_the_update_itself(tmp_path, mini, epochs, no_grad_rows):
+@pytest.mark.parametrize("mini,epochs,lr,no_grad_rows", [("8", "1", "0", 0), ("4", "2", "1e-2", 4)])
+def test_old_logprobs_of_the_first_mini_batch_come_from_the_update_itself(tmp_path, mini, epochs, lr, no_grad_rows):
     # the first mini-batch's first forward runs on the weights of the rollout, so its log-probs are the recomputed
-    # old log-probs: the no-grad pass skips those rows. At --lr 0 every epoch's ratio is then exactly 1 only if
-    # they were kept for the later epochs, and the other mini-batches still come from the no-grad pass
-    (tmp_path / "sitecustomize.py").write_text(COUNT_LOGPROB_PASSES)
-    out, calls = str(tmp_path / "run"), tmp_path / "calls.txt"
+    # old log-probs: the no-grad pass skips those rows, and the later epochs must reuse them (not their own)
+    (tmp_path / "sitecustomize.py").write_text(RECORD_LOGPROB_PASSES)
+    out, record = str(tmp_path / "run"), tmp_path / "calls.json"
     run_train(*TINY, "--env", "sokoban", "--algo", "ppo", "--group-size", "4", "--mini-batch-size", mini,
-              "--micro-batch-size", "2", "--ppo-epochs", epochs, "--lr", "0", "--critic-lr", "0", "--filter-ratio", "1",
+              "--micro-batch-size", "2", "--ppo-epochs", epochs, "--lr", lr, "--critic-lr", "0", "--filter-ratio", "1",
               "--steps", "1", "--val-every", "0", "--collapse-every", "0", "--max-new-tokens", "24", "--out", out,
-              env=dict(PYTHONPATH=os.pathsep.join([str(tmp_path), HERE]), CALLS_OUT=str(calls)))
+              env=dict(PYTHONPATH=os.pathsep.join([str(tmp_path), HERE]), CALLS_OUT=str(record)))
     m = read_metrics(out)[0]
+    calls, losses = json.loads(record.read_text())  # [(grad enabled, rows)] per log-prob call; [(logp, old)] per loss
     assert m["train/batch_size"] == 8
-    assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"]) == (1.0, 1.0, 0.0), m
-    calls = json.loads(calls.read_text())  # [(grad enabled, rows)] per call
     assert sum(n for grad, n in calls if not grad) == no_grad_rows, calls
     assert sum(n for grad, n in calls if grad) == 8 * int(epochs), calls
     assert m["rollout/sampler_logp_abs_diff"] < 1e-5  # over all kept rows, the update's first mini-batch included
+    if lr == "0":
+        assert (m["actor/ratio_min"], m["actor/ratio_max"], m["actor/clipfrac"]) == (1.0, 1.0, 0.0), m
+        return
+    first, second = losses[:2], losses[2:4]          # epoch 1: the two micro-batches of mini-batch 1, then of 2
+    again, again2 = losses[4:6], losses[6:]          # epoch 2
+    for (logp, old), (_, old_again), (logp_again, _) in zip(first, again, again):
+        assert old == logp and old_again == logp  # epoch 1: its own forward; epoch 2: epoch 1's, kept
+        assert logp_again != logp                  # the weights moved in between
+    assert [old for _, old in again2] == [old for _, old in second]  # mini-batch 2: from the no-grad pass
 
 # ==================================================================================================
 # Checkpoints and resume: kill train.py at any instant, resume on any world size, export

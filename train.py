@@ -224,6 +224,8 @@ def resolve_args(argv, world):
         sys.exit(f"train.py: --plan {args.plan}: the number of ranks to plan for is >= 1 (bare --plan: this launch's)")
     if args.lora_rank < 0:
         sys.exit("train.py: --lora-rank must be >= 0")
+    if args.ppo_epochs < 1:  # the first epoch's first mini-batch also gives its rows' old log-probs
+        sys.exit("train.py: --ppo-epochs must be >= 1")
     if args.lora_rank and "lm_head" in args.lora_target.split(","):  # starpo's log-probs multiply by lm_head's weight
         sys.exit("train.py: --lora-target lm_head: the log-prob passes use lm_head's weight directly and would skip "
                  "its adapter; adapt the other Linear layers (all-linear leaves lm_head out too)")
