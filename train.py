@@ -567,14 +567,6 @@ def old_logprobs(batch, say):
     return forward_pass(actor, batch, "logp", skip_first=True)  # 0 off the loss mask, as the sampler's
 
 
-def sampler_distance(batch, old_logp):
-    """The mean |sampler log-prob - recomputed old log-prob| over the loss tokens (no metric with --old-logp sampler)."""
-    if args.old_logp == "sampler":
-        return {}
-    mask = batch["mask"]
-    return {"rollout/sampler_logp_abs_diff": ((batch["old_logp"] - old_logp).abs() * mask).sum().item() / max(mask.sum().item(), 1)}
-
-
 def reference_and_values(batch, say):
     """[K, T] reference log-probs (None without a KL loss) and critic values (None without a critic)."""
     if ref is not None or critic is not None or args.kl_coef > 0:
@@ -783,7 +775,9 @@ for step in bar:
     # 5. PPO updates, then the rollout copy takes the new weights
     t0 = time.time()
     m.update(update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
-    m.update(sampler_distance(batch, old_logp))  # old_logp is complete now
+    if args.old_logp == "recompute":  # old_logp is complete now: the sampler's mean distance from it
+        m["rollout/sampler_logp_abs_diff"] = (((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
+                                              / max(batch["mask"].sum().item(), 1))
     timing["update"] = time.time() - t0
     t0 = time.time()
     m["perf/sync_gathered_mb"] = sync_rollout_weights() / 2**20
