@@ -313,10 +313,10 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     # the bf16 GEMM writes fp32 itself (mm's out_dtype: no autograd, fine here); an fp32 copy of the [V, d] weight
     # every decode step would more than double its memory traffic
     h, w = m.norm(last), model.lm_head.weight                                   # [B, d], [V, d]
-    if h.is_cuda:
-        return torch.mm(h, w.t(), out_dtype=torch.float32) if h.dtype != torch.float32 else F.linear(h, w)  # [B, V]
-    # the CPU: (W @ h^T)^T, the same dot products (summed in another order for some batch sizes: last-bit
-    # differences), which MKL runs faster than h @ W^T for a decode batch of a few dozen rows
+    if h.is_cuda and h.dtype != torch.float32:
+        return torch.mm(h, w.t(), out_dtype=torch.float32)                      # [B, V]
+    # (W @ h^T)^T, the same dot products (summed in another order for some batch sizes: last-bit differences),
+    # which MKL runs faster than h @ W^T for a decode batch of a few dozen rows
     return torch.mm(w.float(), h.float().t()).t().contiguous()                  # [B, V]
 
 
