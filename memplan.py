@@ -2,9 +2,8 @@
 check of a launch against its device (check_launch: the plan printed at start, a launch that does not fit refused
 with the flags that would make it fit).
 
-Its own file because train.py (a script: it parses flags and trains on import) and bench.py (a measurement tool)
-both need it, and the test suite checks it against what the CPU measures; nothing imports train.py. saved_bytes
-measures the activation part on a real forward (train.py --measure-activations).
+Its own file because train.py and bench.py (a measurement tool) both need it, and the test suite checks it against
+what the CPU measures. saved_bytes measures the activation part on a real forward (train.py --measure-activations).
 
 The parts are the ones train.py allocates: fp32 master weights, grads and AdamW states (sharded 1/W by FSDP2),
 the critic's trunk, the reference model, the rollout copy (unsharded, bf16 on GPU), the sampler's static KV pool,
@@ -124,11 +123,21 @@ def fitting_flags(cfg, kw, gpu_bytes, splits=lambda w: True):
     return None
 
 
-def check_launch(cfg, args, world, use_cuda, cuda_bytes=None):
-    """train.py's plan of its launch (args: its flags, world: its ranks; cuda_bytes: the CUDA device's memory) from
-    the model's config cfg. Returns (what to print: the parts with --plan, else one line; why the launch is refused,
-    or None). On CUDA, or with --gpu-memory-gb, a plan that does not fit is refused unless --force, with the flags
-    that would make it fit."""
+def check_launch(args, world, device):
+    """train.py's plan of its launch (args: its flags, world: its ranks, device: its torch device) from the --model's
+    config. Returns (what to print: the parts with --plan, else one line; why the launch is refused, or None). On
+    CUDA, or with --gpu-memory-gb, a plan that does not fit is refused unless --force, with the flags that would make
+    it fit. A config that cannot be read gives (None, None) (loading the model then says why), under --plan a
+    ValueError."""
+    try:
+        cfg = model_config(args.model)
+    except (OSError, ValueError) as e:
+        if args.plan is not None:
+            raise ValueError(f"cannot load --model {args.model}: cannot read its config: {str(e).splitlines()[0]}") from e
+        return None, None
+    import torch
+    use_cuda = device.type == "cuda"
+    cuda_bytes = torch.cuda.get_device_properties(device).total_memory if use_cuda else None
     gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
     kw = dict(world=world, rows=args.num_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
               seq=args.max_context, critic=args.algo == "ppo", ref=args.kl_coef > 0 and not args.lora_rank,

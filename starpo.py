@@ -91,13 +91,18 @@ def bi_level_gae(rewards, values, mask, gamma=1.0, lam=1.0, high_level_gamma=0.9
     rewards = torch.where(turn_end, high_returns, rewards)  # [B, T] reward := high-level return
     return _masked_gae(rewards, values, mask, gamma, lam, reset=turn_end)
 
-def _group_std(x):
-    """Unbiased std along the last dim; 0 (not NaN) for a group of one. Shifted by each group's first value, so a
-    constant group gives exactly 0 as torch.std does (x - mean(x) is not 0 in fp32 when the mean rounds, e.g. for
-    eight scores of -0.1, and a 1e-8 std would survive include_zero=False)."""
-    n = x.shape[-1]
+def _group_centred(x):
+    """x minus its mean along the last dim, computed on the values shifted by each group's first value: exactly 0
+    in a constant group (x - mean(x) is not 0 in fp32 when the mean rounds, e.g. 7.5e-9 for eight scores of -0.1,
+    and grpo's 1 / (0 + 1e-6) would make it 0.0075 on every row); elsewhere equal to x - mean(x) up to rounding."""
     d = x - x[..., :1]  # [..., n] exactly 0 in a constant group
-    return ((d - d.mean(-1, keepdim=True)) ** 2).sum(-1).div(max(n - 1, 1)).sqrt()
+    return d - d.mean(-1, keepdim=True)  # [..., n]
+
+def _group_std(x):
+    """Unbiased std along the last dim; 0 (not NaN) for a group of one, exactly 0 for a constant group as torch.std
+    gives (a 1e-8 std would survive include_zero=False)."""
+    n = x.shape[-1]
+    return (_group_centred(x) ** 2).sum(-1).div(max(n - 1, 1)).sqrt()
 
 def group_advantages(scores, group, kind="grpo", eps=1e-6):
     """Outcome advantages from each row's group (veRL core_algos; RAGEN-2 agent_trainer.compute_advantage).
@@ -106,7 +111,9 @@ def group_advantages(scores, group, kind="grpo", eps=1e-6):
       drgrpo                 s - mean (Dr.GRPO: the same with norm_adv_by_std_in_grpo=False)
       rloo                   (s - mean) * n / (n - 1), i.e. s minus the mean of the others (compute_rloo_outcome_advantage)
       reinforce_pp_baseline  s - mean; train.py then whitens it over the batch's tokens (..._baseline_outcome_advantage)
-    A group of one has mean 0 and std 1, as veRL: grpo gives s / (1 + eps), the others s. A constant group gives 0."""
+    A group of one has mean 0 and std 1, as veRL: grpo gives s / (1 + eps), the others s. A constant group gives
+    exactly 0 under every kind: s - mean is computed on the values shifted by the group's first (_group_centred), which
+    veRL's s - mean is not (there one rounding step of the mean, divided by 0 + eps, pushes every row of the group)."""
     if kind not in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"):
         raise ValueError(f"unknown group advantage {kind!r}")
     x = scores.float()
@@ -114,13 +121,13 @@ def group_advantages(scores, group, kind="grpo", eps=1e-6):
     for g in torch.unique(group):
         rows = group == g  # [N] bool
         s, n = x[rows], int(rows.sum())
-        mean, std = (s.mean(), _group_std(s)) if n > 1 else (0.0, 1.0)
+        centred, std = (_group_centred(s), _group_std(s)) if n > 1 else (s, 1.0)  # [n], s - mean
         if kind == "grpo":
-            adv[rows] = (s - mean) / (std + eps)
+            adv[rows] = centred / (std + eps)
         elif kind == "rloo":
-            adv[rows] = (s - mean) * n / (n - 1) if n > 1 else s
+            adv[rows] = centred * n / (n - 1) if n > 1 else s
         else:
-            adv[rows] = s - mean
+            adv[rows] = centred
     return adv
 
 @torch.no_grad()
@@ -164,7 +171,7 @@ def normalize_scores(scores, group_size, grouping="state", method="identity", ta
         rows = torch.tensor([i for i in range(B) if ids[i] == g])  # [n]
         x = out[rows]  # [n]
         if method == "mean":
-            out[rows] = x - x.mean()
+            out[rows] = _group_centred(x)  # x - mean, exactly 0 in a constant group
             continue
         std = _group_std(x)  # 0-d
         x = (x - x.mean()) / (std + 1e-6) if std > 1e-6 else torch.zeros_like(x)
