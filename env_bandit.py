@@ -5,9 +5,12 @@ the high-risk arm is better on average but loses 3 pulls out of 4. The model onl
 so it has to reason from what "Dragon" or "Phoenix" suggests. One pull ends the episode.
 Randomness: gymnasium's np_random seeded at reset (a numpy Generator from the seed); it decides
 the order the names are shown in, then the high arm's payout. Same seed + same answer = same reward.
+RAGEN-2's presets (Bandit2, Bandit2Test) first draw the name pair from a pool, and give each member
+of a group its own generator (reset(seed, member)), so the members of a group play different games.
 
   python env_bandit.py --preset Bandit              # play in the terminal
   python env_bandit.py --preset Bandit --random 2000  # random-policy success and payout means
+  python env_bandit.py --preset Bandit2 --seed 3      # RAGEN-2's: a name pair drawn from its pool
 """
 import argparse
 import random
@@ -32,6 +35,26 @@ def bandit_preset(lo, hi):
                 max_tokens=100, max_turns=1, max_actions_per_turn=1)
 
 
+ARM_PAIRS = {  # RAGEN-2 ragen/env/bandit/config.py ARM_NAMES: (low-risk, high-risk) names, one pair drawn per episode
+    "train": [("Teacher", "Trader"), ("Nurse", "StartupFounder"), ("Librarian", "Investor"),
+              ("Accountant", "StockBroker"), ("Engineer", "RealEstateAgent"), ("Pharmacist", "Musician"),
+              ("Clerk", "Freelancer"), ("Technician", "Youtuber"), ("Planner", "Artist"), ("Postman", "Pilot"),
+              ("Banker", "VentureCapitalist"), ("Gardener", "Cryptominer")],
+    "test": [("Receptionist", "Explorer"), ("Archivist", "Filmmaker"), ("Bookkeeper", "Consultant"),
+             ("SocialWorker", "Photographer"), ("Mechanic", "GameDesigner"), ("Secretary", "Entrepreneur"),
+             ("Cashier", "DataScientist"), ("CivilServant", "StartupAccelerator")],
+}
+
+
+def bandit2_preset(split):
+    # RAGEN-2's Bandit / BanditTest tags (config/envs.yaml split train / test; _1_bandit.yaml's one turn, one
+    # action): each episode draws its pair from the split's pool, and each member of a group resets from its own
+    # seed (seed_per_member: rollout passes the member index), so a group's members differ in names, order and
+    # payout. The instruction is empty, so the system message is "You're a helpful assistant. " as in v1.
+    return dict(kwargs=dict(pairs=ARM_PAIRS[split]), instruction="", instruction_in_system=True, seed_per_member=True,
+                max_actions_per_traj=1, max_tokens=100, max_turns=1, max_actions_per_turn=1)
+
+
 PRESETS = {
     "Bandit": bandit_preset("Phoenix", "Dragon"),       # config/envs.yaml Bandit (paper Fig. 3)
     "BanditTest": bandit_preset("Trader", "Librarian"),  # config/envs.yaml BanditTest (val of _1_bandit.yaml)
@@ -44,23 +67,39 @@ PRESETS = {
     # script and paper disagree.)
     "BanditRev": bandit_preset("Teacher", "Engineer"),
     "BanditRevTest": bandit_preset("Librarian", "Trader"),
+    # RAGEN-2's Bandit and BanditTest (its _1_bandit.yaml trains on the first, validates on both)
+    "Bandit2": bandit2_preset("train"),
+    "Bandit2Test": bandit2_preset("test"),
 }
 
 
 class BanditEnv:
     def __init__(self, lo_arm_name="Phoenix", hi_arm_name="Dragon", lo_arm_score=0.1, hi_arm_hiscore=1.0,
-                 hi_arm_loscore=0.0, hi_arm_hiscore_prob=0.25):
-        if not lo_arm_name.strip() or lo_arm_name.strip().lower() == hi_arm_name.strip().lower():
-            raise ValueError(f"arm names must be non-empty and differ: {lo_arm_name!r}, {hi_arm_name!r}")
-        self.lo_arm_name, self.hi_arm_name = lo_arm_name, hi_arm_name
+                 hi_arm_loscore=0.0, hi_arm_hiscore_prob=0.25, pairs=None):
+        """pairs (RAGEN-2): (low-risk, high-risk) name pairs; each reset draws one, in place of lo/hi_arm_name."""
+        if pairs is not None and not pairs:
+            raise ValueError("pairs must hold at least one (low-risk, high-risk) name pair")
+        for lo, hi in pairs or [(lo_arm_name, hi_arm_name)]:
+            if not lo.strip() or not hi.strip() or lo.strip().lower() == hi.strip().lower():
+                raise ValueError(f"arm names must be non-empty and differ: {lo!r}, {hi!r}")
+        self.lo_arm_name, self.hi_arm_name, self.pairs = lo_arm_name, hi_arm_name, pairs
         self.lo_arm_score, self.hi_arm_hiscore = lo_arm_score, hi_arm_hiscore
         self.hi_arm_loscore, self.hi_arm_hiscore_prob = hi_arm_loscore, hi_arm_hiscore_prob
         self.names, self.obs = None, None
 
-    def reset(self, seed):
+    def reset(self, seed, member=None):
+        """member (RAGEN-2's presets): the episode's index in its group. Its generator is then the member-th child
+        of the group seed's SeedSequence (= SeedSequence(seed).spawn(member + 1)[member]): the members of a group
+        differ, and a group is reproducible from its seed. None: the seed's own generator (RAGEN v1: one per group)."""
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        self.rng = np.random.default_rng(seed)  # = gymnasium seeding.np_random(seed)
+        if member is not None and (not isinstance(member, int) or member < 0):
+            raise ValueError(f"member must be None or a non-negative int, got {member!r}")
+        # = gymnasium seeding.np_random(seed). RAGEN-2 seeds with seed + a count of the BanditEnv objects its process
+        # built before this one, which depends on how many envs were built where, so its draws are not reproduced
+        self.rng = np.random.default_rng(seed if member is None else np.random.SeedSequence(seed, spawn_key=(member,)))
+        if self.pairs is not None:  # RAGEN-2 reset: the pair first
+            self.lo_arm_name, self.hi_arm_name = self.pairs[int(self.rng.random() * len(self.pairs))]
         # RAGEN _randomize_arms: with probability 1/2 the low arm is shown first
         lo_first = self.rng.random() < 0.5
         self.names = [self.lo_arm_name, self.hi_arm_name] if lo_first else [self.hi_arm_name, self.lo_arm_name]
@@ -96,6 +135,16 @@ class BanditEnv:
         return self.obs, reward, True, info
 
 
+def solver_actions(env, k):
+    """sft.py's solver: the high-risk arm, the better one on average."""
+    return [env.hi_arm_name]
+
+
+def random_actions(env, k, rng):
+    """k arms drawn uniformly."""
+    return [rng.choice(env.actions()) for _ in range(k)]
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Play the bandit, or print statistics over many seeds")
     parser.add_argument("--preset", default="Bandit", choices=list(PRESETS), help="RAGEN tag")
@@ -110,11 +159,13 @@ if __name__ == "__main__":
         for seed in seeds:  # a random policy picks either shown name with probability 1/2
             env.reset(seed)
             wins += env.step(random.Random(seed).choice(env.actions()))[3]["success"]
-        payout = {env.lo_arm_name: 0.0, env.hi_arm_name: 0.0}
-        for name in payout:  # always pulling one arm
+        # always pulling the low-risk arm, or always the high-risk one (named by the pair, or by risk when drawn)
+        low, high = ("the low-risk arm", "the high-risk arm") if env.pairs else (env.lo_arm_name, env.hi_arm_name)
+        payout = {low: 0.0, high: 0.0}
+        for name in payout:
             for seed in seeds:
                 env.reset(seed)
-                payout[name] += env.step(name)[1] / len(seeds)
+                payout[name] += env.step(env.lo_arm_name if name == low else env.hi_arm_name)[1] / len(seeds)
         print(f"{args.preset}: {args.random} seeds from {args.seed}; "
               f"random policy success {wins / len(seeds):.3f}; "
               + "; ".join(f"mean payout of {name} {mean:.4f}" for name, mean in payout.items()))

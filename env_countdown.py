@@ -31,14 +31,16 @@ VAL_BUCKETS = 2              # a task is a validation task iff crc32(task) % VAL
 MAX_ANSWER_CHARS = 256       # longer answers score 0 unread (a 4-number answer needs about 20 characters)
 MAX_DEPTH = 32               # nested parentheses / unary signs
 
-COUNTDOWN_INSTRUCTION = (  # config/envs.yaml Countdown env_instruction (no legend or action list: the config has none)
+# config/envs.yaml Countdown env_instruction. RAGEN-2's ctx_manager adds no legend and no action list (CountdownEnvConfig
+# has no grid_vocab and no action_lookup) and puts it in the system message, after "You're a helpful assistant. "
+COUNTDOWN_INSTRUCTION = (
     "You are solving the Countdown puzzle. You should use the num list to create an equation that equals the "
     "target. Example answer format: <think> To find an equation using [3, 5, 2] to get 4. Let's check 2 + 5 = 7, "
     "7 - 3 = 4. So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - 3</answer>")
 
 PRESETS = {  # config/envs.yaml Countdown; _4_countdown.yaml: max_turn 1, max_actions_per_turn 1
-    "Countdown": dict(kwargs=dict(), instruction=COUNTDOWN_INSTRUCTION, max_actions_per_traj=1, max_tokens=100,
-                      max_turns=1, max_actions_per_turn=1),
+    "Countdown": dict(kwargs=dict(), instruction=COUNTDOWN_INSTRUCTION, instruction_in_system=True,
+                      max_actions_per_traj=1, max_tokens=100, max_turns=1, max_actions_per_turn=1),
 }
 
 
@@ -214,6 +216,17 @@ class CountdownEnv:
         reward = score(action, self.nums, self.target)
         self.obs, self.done = f"Your answer get {reward} points.", True
         return self.obs, reward, True, dict(action_is_valid=True, action_is_effective=reward > 0, success=reward == 1.0)
+
+
+def solver_actions(env, k):
+    """sft.py's solver: an expression that hits the target, found by exhaustive search (None: none exists)."""
+    answer = solve(env.nums, env.target)
+    return None if answer is None else [answer]
+
+
+def random_actions(env, k, rng):
+    """One random expression of the numbers (one answer per turn, whatever k)."""
+    return [random_answer(env.nums, rng)]
 
 
 if __name__ == "__main__":

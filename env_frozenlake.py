@@ -1,11 +1,11 @@
 """FrozenLake as RAGEN plays it (ragen/env/frozen_lake on gymnasium's toy_text FrozenLake), without gym.
 
-A random 4x4 lake: each tile is frozen with probability 0.8 (else a hole), start and goal are random
-distinct tiles, and the map is redrawn until a 4-connected path joins them. The ice is slippery:
-the player moves in the intended direction with probability success_rate (1/3 by default; RAGEN-2's
-main table uses 1, a deterministic lake) and else in one of the two perpendicular ones, half of the
-rest each; bumping into the edge means staying put. The episode ends in a hole (reward 0) or on the
-goal (+1).
+A random 4x4 lake: each tile is frozen with probability p (else a hole; RAGEN v1 0.8, RAGEN-2 0.9),
+start and goal are random distinct tiles, and the map is redrawn until a 4-connected path joins them.
+The ice is slippery: the player moves in the intended direction with probability success_rate (RAGEN
+v1 1/3, RAGEN-2's CoordFrozenLake 0.8, RAGEN-2's main table 1, a deterministic lake) and else in one
+of the two perpendicular ones, half of the rest each; bumping into the edge means staying put. The
+episode ends in a hole (reward 0) or on the goal (+1).
 Randomness: the map comes from gymnasium's seeding.np_random(seed) (a numpy Generator), the slips
 from a second Generator with the same seed, of which reset draws one number (gymnasium samples
 the start state with it), so a seed gives RAGEN's map and RAGEN's slips.
@@ -30,9 +30,9 @@ FROZENLAKE_INSTRUCTION = (  # config/envs.yaml FrozenLake env_instruction, typos
     "to the target, I should go left then go up.</think><answer>Left || Up</answer>")
 
 
-def make_instruction(max_actions):
+def make_instruction(text, max_actions):
     # ragen/llm_agent/ctx_manager.py: env_instruction + symbol legend + action list + action budget
-    return (FROZENLAKE_INSTRUCTION + "\nThe meaning of each symbol in the state is:\n"
+    return (text + "\nThe meaning of each symbol in the state is:\n"
             + ", ".join(f"{k}: {v}" for k, v in LEGEND.items())
             + "\nYour available actions are:\n" + ", ".join(ACTIONS)
             + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
@@ -45,23 +45,20 @@ COORD_INSTRUCTION = (  # RAGEN-2 config/envs.yaml CoordFrozenLake env_instructio
     "unintended tile.\nRespond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n")
 
 
-def make_coord_instruction(max_actions):
-    # RAGEN-2 ctx_manager: with observation_format grid_coord there is no symbol legend, only the action list
-    return (COORD_INSTRUCTION + "\nYour available actions are:\n" + ", ".join(ACTIONS)
-            + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
-
-
-PRESETS = {  # config/envs.yaml FrozenLake: env_config null = FrozenLakeEnvConfig defaults
-    "FrozenLake": dict(kwargs=dict(size=4, p=0.8, is_slippery=True), instruction=make_instruction(10),
-                       max_actions_per_traj=10, max_tokens=100),
-    # RAGEN-2 tags: RAGEN-2's lakes, and RAGEN-2 base.yaml's agent loop (5 turns, at most 2 actions a turn)
-    "CoordFrozenLake": dict(kwargs=dict(observation_format="grid_coord", ragen2_map=True),
-                            instruction=make_coord_instruction(10), max_actions_per_traj=10, max_tokens=120,
-                            max_turns=5, max_actions_per_turn=2),
+PRESETS = {  # RAGEN v1 envs.yaml FrozenLake: env_config null = v1's FrozenLakeEnvConfig defaults (p 0.8, 1/3 slips)
+    "FrozenLake": dict(kwargs=dict(size=4, p=0.8, is_slippery=True),
+                       instruction=make_instruction(FROZENLAKE_INSTRUCTION, 10), max_actions_per_traj=10, max_tokens=100),
+    # RAGEN-2 tags: RAGEN-2's lakes (FrozenLakeEnvConfig's p 0.9; the tag's success_rate 0.8), and RAGEN-2 base.yaml's
+    # agent loop (5 turns, at most 2 actions a turn). The legend is shown: the tags set observation_format under
+    # env_config, and RAGEN-2's ctx_manager reads the tag's top-level value, FrozenLakeEnvConfig's default "grid".
+    # RAGEN-2 puts the instruction in the system message.
+    "CoordFrozenLake": dict(kwargs=dict(observation_format="grid_coord", p=0.9, success_rate=0.8, ragen2_map=True),
+                            instruction=make_instruction(COORD_INSTRUCTION, 10), instruction_in_system=True,
+                            max_actions_per_traj=10, max_tokens=120, max_turns=5, max_actions_per_turn=2),
     # _3_frozen_lake.yaml (RAGEN-2's main table): CoordFrozenLake with success_rate 1, i.e. no slips
-    "CoordFrozenLakeDet": dict(kwargs=dict(observation_format="grid_coord", success_rate=1.0, ragen2_map=True),
-                               instruction=make_coord_instruction(10), max_actions_per_traj=10, max_tokens=120,
-                               max_turns=5, max_actions_per_turn=2),
+    "CoordFrozenLakeDet": dict(kwargs=dict(observation_format="grid_coord", p=0.9, success_rate=1.0, ragen2_map=True),
+                               instruction=make_instruction(COORD_INSTRUCTION, 10), instruction_in_system=True,
+                               max_actions_per_traj=10, max_tokens=120, max_turns=5, max_actions_per_turn=2),
 }
 
 
@@ -197,6 +194,17 @@ class FrozenLakeEnv:
 
     def _on(self, tile):
         return self.desc[self.pos[0]][self.pos[1]] == tile
+
+
+def solver_actions(env, k):
+    """sft.py's solver: the first k moves of a shortest path to the goal, slips ignored (None: no path)."""
+    plan = shortest_path(env.desc, env.pos)
+    return plan[:k] if plan else None
+
+
+def random_actions(env, k, rng):
+    """k moves drawn uniformly."""
+    return [rng.choice(env.actions()) for _ in range(k)]
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@ SOKOBAN_INSTRUCTION = (  # config/envs.yaml, env_instruction of every Sokoban ta
     "<answer>Right || Right || Up</answer>")
 
 
-def make_instruction(glyphs, max_actions):
+def make_instruction(text, glyphs, max_actions):
     # ragen/llm_agent/ctx_manager.py: env_instruction + symbol legend + action list + action budget
     legend = ", ".join(f"{g}: {n}" for g, n in zip(glyphs, NAMES))
-    return (SOKOBAN_INSTRUCTION + "\nThe meaning of each symbol in the state is:\n" + legend
+    return (text + "\nThe meaning of each symbol in the state is:\n" + legend
             + "\nYour available actions are:\n" + ", ".join(ACTIONS)
             + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
 
@@ -52,31 +52,29 @@ COORD_INSTRUCTION = (  # RAGEN-2 config/envs.yaml CoordSokoban env_instruction (
     "you cannot pull a box.\nThe answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n")
 
 
-def make_coord_instruction(max_actions):
-    # RAGEN-2 ctx_manager: with observation_format grid_coord there is no symbol legend, only the action list
-    return (COORD_INSTRUCTION + "\nYour available actions are:\n" + ", ".join(ACTIONS)
-            + f'\nYou can make up to {max_actions} actions, separated by the action separator " || "\n')
-
-
 PRESETS = {  # RAGEN tags of config/envs.yaml
     # 6x6, 1 box; search_depth is SokobanEnvConfig's default 300 (the tag does not set it)
     "SimpleSokoban": dict(kwargs=dict(dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300),
-                          instruction=make_instruction(GLYPHS, 10), max_actions_per_traj=10, max_tokens=100),
+                          instruction=make_instruction(SOKOBAN_INSTRUCTION, GLYPHS, 10), max_actions_per_traj=10,
+                          max_tokens=100),
     "LargerSokoban": dict(kwargs=dict(dim_room=(8, 8), num_boxes=2, max_steps=100, search_depth=10),
-                          instruction=make_instruction(GLYPHS, 10), max_actions_per_traj=10, max_tokens=100),
+                          instruction=make_instruction(SOKOBAN_INSTRUCTION, GLYPHS, 10), max_actions_per_traj=10,
+                          max_tokens=100),
     # RAGEN's SokobanDifferentGridVocab. Deliberate fix: RAGEN builds the legend from the default
     # config, so its prompt describes "# _ O √ X P S" while the grid shows "W . G C B A @"; our
     # legend describes the glyphs the grid really uses.
     "SokobanNewVocab": dict(kwargs=dict(dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=30,
                                         glyphs=NEW_VOCAB_GLYPHS),
-                            instruction=make_instruction(NEW_VOCAB_GLYPHS, 10), max_actions_per_traj=10,
-                            max_tokens=100),
+                            instruction=make_instruction(SOKOBAN_INSTRUCTION, NEW_VOCAB_GLYPHS, 10),
+                            max_actions_per_traj=10, max_tokens=100),
     # RAGEN-2's default tag (base.yaml trains and validates on it), with its agent loop: 5 turns, at most 2
-    # actions a turn; search_depth is SokobanEnvConfig's default 300
+    # actions a turn; search_depth is SokobanEnvConfig's default 300. The legend is shown: the tag sets
+    # observation_format under env_config, and RAGEN-2's ctx_manager reads the tag's top-level value,
+    # SokobanEnvConfig's default "grid". RAGEN-2 puts the instruction in the system message.
     "CoordSokoban": dict(kwargs=dict(dim_room=(6, 6), num_boxes=1, max_steps=100, search_depth=300,
                                      observation_format="grid_coord"),
-                         instruction=make_coord_instruction(10), max_actions_per_traj=10, max_tokens=120,
-                         max_turns=5, max_actions_per_turn=2),
+                         instruction=make_instruction(COORD_INSTRUCTION, GLYPHS, 10), instruction_in_system=True,
+                         max_actions_per_traj=10, max_tokens=120, max_turns=5, max_actions_per_turn=2),
 }
 
 # ----------------------------------------------------------------------------- room generation
@@ -336,6 +334,18 @@ class SokobanEnv:
         self.done = solved or self.num_env_steps == self.max_steps
         info = dict(action_is_valid=True, action_is_effective=self.player != old, success=solved)
         return self.render(), reward, self.done, info
+
+
+def solver_actions(env, k):
+    """sft.py's solver: the first k moves of a shortest solution from the current room (None: none found)."""
+    grid = env.render().split("Grid Map: \n")[-1]  # grid_coord renders coordinates above the grid
+    plan = solve(grid, env.glyphs)
+    return plan[:k] if plan else None
+
+
+def random_actions(env, k, rng):
+    """k moves drawn uniformly."""
+    return [rng.choice(env.actions()) for _ in range(k)]
 
 
 # ----------------------------------------------------------------------------- terminal play / statistics

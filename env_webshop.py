@@ -775,6 +775,20 @@ def run_random(env, seed, split="test", budget=9):
     return reward, info
 
 
+def solver_actions(env, k):
+    """sft.py's solver: the oracle's next action (one per turn: the page changes after every action)."""
+    return [oracle_action(env)]
+
+
+def random_actions(env, k, rng):
+    """One uniformly drawn click, or a search of 3 of the goal's words (as run_random; one action per turn)."""
+    action = rng.choice(env.actions())
+    if action == "search[<content>]":
+        words = search_words(env.goal).split()
+        action = f"search[{' '.join(rng.sample(words, min(3, len(words))))}]"
+    return [action]
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-products", type=int, default=1000, help="catalog size (synthetic) or cap (real data)")

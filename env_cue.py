@@ -1,0 +1,107 @@
+"""Cue: a tiny diagnostic task for learning tests, not a RAGEN environment.
+
+The first state shows a cue letter ("cue B"); the right first answer is that letter, among the cue letters. The
+cue is drawn uniformly from the seed, so a policy that ignores the state cannot beat 1 / len(letters): only an
+observation-conditioned policy can. Short states and one-letter answers let a random-init byte-level model
+learn it in seconds on a CPU (test_all.py's learning tests).
+  Cue       one turn: reward 1 if the answer is the cue letter, else 0; the episode ends on the first valid answer.
+  CueDelay  `turns` turns: the cue is shown only at turn 1; every later state is "wait" and its one valid answer
+            is "go". The only reward comes with the last "go" and is 1 if the turn-1 answer was the cue letter:
+            credit for the last turn's reward has to travel back to turn 1.
+Actions are matched case-insensitively after stripping spaces; anything else is an invalid no-op.
+Randomness: random.Random(seed) at reset draws the cue; nothing else is random.
+
+  python env_cue.py --preset CueDelay              # play in the terminal
+  python env_cue.py --preset Cue --random 2000     # random-policy success over many seeds
+"""
+import argparse
+import random
+
+CUE_INSTRUCTION = "Answer the cue letter, then go.\n"
+
+
+def cue_preset(turns):
+    return dict(kwargs=dict(letters="QZ", turns=turns, repeat=32), instruction=CUE_INSTRUCTION, max_actions_per_traj=turns,
+                max_tokens=4, max_turns=turns, max_actions_per_turn=1)
+
+
+PRESETS = {
+    "Cue": cue_preset(1),
+    "CueDelay": cue_preset(2),
+}
+
+
+class CueEnv:
+    def __init__(self, letters="QZ", turns=1, repeat=32):
+        if len(set(letters)) < 2 or not all(c.isalpha() and c.isupper() for c in letters):
+            raise ValueError(f"letters must be at least 2 distinct capital letters, got {letters!r}")
+        if not isinstance(turns, int) or turns < 1:
+            raise ValueError(f"turns must be an int >= 1, got {turns!r}")
+        if not isinstance(repeat, int) or repeat < 1:
+            raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+        self.letters, self.turns, self.repeat = letters, turns, repeat
+        self.cue, self.obs = None, None
+
+    def reset(self, seed):
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        self.cue = random.Random(seed).choice(self.letters)
+        self.turn, self.pick, self.done, self.success = 1, None, False, False
+        self.obs = "cue " + self.cue * self.repeat
+        return self.obs
+
+    def render(self):
+        if self.obs is None:
+            raise RuntimeError("call reset(seed) first")
+        return self.obs
+
+    def actions(self):
+        if self.obs is None:
+            raise RuntimeError("call reset(seed) first")
+        return list(self.letters) if self.turn == 1 else ["go"]
+
+    def step(self, action):
+        answer = action.strip().lower() if isinstance(action, str) else None
+        if self.done or answer not in [a.lower() for a in self.actions()]:  # invalid: nothing happens
+            return self.obs, 0.0, self.done, dict(action_is_valid=False, action_is_effective=False, success=self.success)
+        if self.turn == 1:
+            self.pick = answer.upper()
+        self.done = self.turn == self.turns
+        self.success = self.done and self.pick == self.cue
+        self.turn += 1
+        self.obs = f"{self.pick}: {float(self.success)} points" if self.done else "wait"
+        return self.obs, float(self.success), self.done, dict(action_is_valid=True, action_is_effective=True,
+                                                                 success=self.success)
+
+
+def solver_actions(env, k):
+    """The right answer of the current turn (the cue at turn 1, then go); k is at least 1 for a turn."""
+    return env.actions()[:1] if env.turn > 1 else [env.cue]
+
+
+def random_actions(env, k, rng):
+    """k valid answers drawn uniformly (turn 1: any cue letter)."""
+    return [rng.choice(env.actions()) for _ in range(k)]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Play Cue, or print the random policy's success over many seeds")
+    parser.add_argument("--preset", default="Cue", choices=list(PRESETS))
+    parser.add_argument("--seed", type=int, default=0, help="episode seed (first seed with --random)")
+    parser.add_argument("--random", type=int, default=0, metavar="N", help="statistics over N seeds instead of play")
+    args = parser.parse_args()
+    env = CueEnv(**PRESETS[args.preset]["kwargs"])
+    if args.random:
+        wins = 0
+        for seed in range(args.seed, args.seed + args.random):
+            env.reset(seed)
+            rng = random.Random(seed + 1_000_003)  # not the env's own draw
+            while not env.done:
+                info = env.step(random_actions(env, 1, rng)[0])[3]
+            wins += info["success"]
+        print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy success {wins / args.random:.3f}")
+    else:
+        print(env.reset(args.seed))
+        while not env.done:
+            obs, reward, done, info = env.step(input(f"answer {env.actions()}: "))
+            print(f"{obs}\nreward {reward} done {done} {info}")
