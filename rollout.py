@@ -216,7 +216,8 @@ class Sampler(NamedTuple):
 
 def sampler_settings(device, name="auto"):
     """train.py's --sampler: eager, static (fixed shapes, eager), compiled (static + torch.compile'd decode step)
-    or auto (compiled on CUDA, eager elsewhere). All of them sample the same tokens."""
+    or auto (compiled on CUDA, eager elsewhere). In fp32 all of them sample the same tokens; in bf16 on CUDA compiled
+    and eager kernels round differently, so a token may differ where two logits are within rounding."""
     device = torch.device(device)
     if name == "auto":
         name = "compiled" if device.type == "cuda" else "eager"
@@ -226,13 +227,20 @@ def sampler_settings(device, name="auto"):
                    check_every=8 if device.type == "cuda" else 1)
 
 
+# Prefills (a batch's prompts, a later turn's new tokens, shared-prefix spans) run padded to a multiple of this many
+# tokens per device type, their key length rounded up alike (KVCache.prefill_shape): prompts of nearby lengths share
+# one shape, so one mask size and, wherever prefill is compiled, one graph. The padding is masked and its outputs
+# unused, so the tokens and log-probs do not depend on it (tested). 1 = exact lengths (bench.py --only prefill).
+PREFILL_MULTIPLE = {"cpu": 8, "cuda": 64}
+
+
 class KVCache:
     """Keys/values of B rows: one K and one V tensor per layer, each [B, KV, S, D]. Row b holds its first
     lens[b] tokens at slots 0..lens[b]-1 (no padding inside a row), so a token's slot is also its RoPE
     position. Padding queries write past a row's end (overwritten before any real query can see them)
     and the last slot is scratch space. static=True: the process-wide pool (CUDA graphs need fixed
     addresses); it may have more rows and slots than asked for, a bigger request replaces it, and rows
-    are never dropped."""
+    are never dropped. multiple: what prefill shapes are rounded up to (PREFILL_MULTIPLE of its device)."""
 
     def __init__(self, model, B, capacity, static=False):
         attn, p = model.model.layers[0].self_attn, model.lm_head.weight
@@ -255,6 +263,14 @@ class KVCache:
                 for x in self.k + self.v:
                     torch._dynamo.mark_static_address(x)
         self.lens = torch.zeros(self.k[0].shape[0], dtype=torch.long, device=p.device)  # [B]
+        self.multiple = PREFILL_MULTIPLE.get(p.device.type, 8)
+
+    def prefill_shape(self, T, end):
+        """(T, end) of a prefill of T tokens per row attending to `end` keys, rounded up to a multiple of
+        self.multiple; the key length at most the cache's slots. Its padding queries only write slots past their
+        row's last token (or the scratch slot) and their outputs are never read; the padding keys are masked."""
+        m = self.multiple
+        return -(-T // m) * m, min(-(-end // m) * m, self.k[0].shape[2])
 
     def ensure(self, need):
         """Grow to hold `need` slots plus the scratch slot (eager path only)."""
@@ -426,10 +442,11 @@ def prefill_shared(model, cache, prompts, nodes, end):
     """Prefill fresh rows (cache.lens all 0) with prompts, each span of `nodes` (shared_prefixes) computed once.
     One forward per depth of the tree on a cache with a row per node, whose row starts as a copy of its parent's;
     then every row copies its deepest node's K/V and appends the rest of its own prompt. cache.lens is left to
-    the caller. end: keys to attend to (>= the longest prompt). Returns the next-token logits [R, V]."""
+    the caller. end: keys to attend to (>= the longest prompt). Returns the next-token logits [R, V]. Every
+    forward runs at its KVCache.prefill_shape."""
     dev, R = cache.lens.device, len(cache.lens)
     top = max(e for _, _, e, _ in nodes)
-    tree = KVCache(model, len(nodes), top + 1)  # row j: node j's tokens [0, end_j)
+    tree = KVCache(model, len(nodes), -(-top // cache.multiple) * cache.multiple + 1)  # row j: node j's tokens [0, end_j)
     depth = []
     for parent, *_ in nodes:
         depth.append(0 if parent < 0 else depth[parent] + 1)
@@ -441,11 +458,11 @@ def prefill_shared(model, cache, prompts, nodes, end):
             par = torch.tensor([p for p, _, _, _ in level], device=dev)
             for x in tree.k + tree.v:
                 x[a:b, :, :S] = x[par, :, :S]
-        T = max(e - s for _, s, e, _ in level)
+        T, attend = tree.prefill_shape(max(e - s for _, s, e, _ in level), max(e for _, _, e, _ in level))
         ids = torch.tensor([prompts[rs[0]][s:e] + [0] * (T - e + s) for _, s, e, rs in level], device=dev)  # [b-a, T]
         lens = torch.tensor([s for _, s, _, _ in level], device=dev)                                      # [b-a]
         forward_cached(model, [x[a:b] for x in tree.k], [x[a:b] for x in tree.v], lens, ids,
-                       torch.tensor([e - s for _, s, e, _ in level], device=dev), max(e for _, _, e, _ in level))
+                       torch.tensor([e - s for _, s, e, _ in level], device=dev), attend)
     leaf = [-1] * R  # the deepest node holding each row (nodes are in breadth-first order)
     for j, (_, _, _, rs) in enumerate(nodes):
         for r in rs:
@@ -456,7 +473,7 @@ def prefill_shared(model, cache, prompts, nodes, end):
     for big, small in zip(cache.k + cache.v, tree.k + tree.v):
         big[dst, :, :top] = small[src, :, :top]
     rest = [list(p[k:]) for p, k in zip(list(prompts) + [[]] * (R - len(prompts)), pre)]
-    T = max(1, max(len(x) for x in rest))
+    T, end = cache.prefill_shape(max(1, max(len(x) for x in rest)), end)
     ids = torch.tensor([x + [0] * (T - len(x)) for x in rest], device=dev)     # [R, T] right-padded
     return forward_cached(model, cache.k, cache.v, torch.tensor(pre, device=dev), ids,
                           torch.tensor([len(x) for x in rest], device=dev), end)
@@ -464,17 +481,19 @@ def prefill_shared(model, cache, prompts, nodes, end):
 
 @torch.no_grad()  # not inference_mode: the outputs feed autograd later
 def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperature=1.0, top_p=1.0, greedy=False,
-                sampler=Sampler(), share=True):
+                sampler=Sampler(), share=True, stop_at=None):
     """Append new_ids[b] to cache row b, then sample up to max_new_tokens per row, each row stopping at a
     stop token or its budget. An empty new_ids[b] marks an idle row; cache rows past len(new_ids) idle too.
     Returns per-row lists of sampled tokens and their log-probs. keys [A] int64: one sampling key per row
     (the t-th draw uses key + t). The last sampled token is not in the cache (the next turn appends it).
     sampler: how to run (Sampler); its static must match the cache's. share: prefill the prefixes that fresh
-    rows share once (shared_prefixes); False computes every row's prompt (the reference the tests compare to)."""
+    rows share once (shared_prefixes); False computes every row's prompt (the reference the tests compare to).
+    stop_at(tokens) -> n or None (e.g. answer_end): a row also stops once its first n tokens are a complete turn
+    and keeps only those. It is checked with "all rows done" (every sampler.check_every tokens), so a row may
+    sample a few tokens past n: they are dropped and its cache row rolls back to the cut. The kept tokens and
+    log-probs are those the row draws without stop_at (a prefix of them: same keys, same logits)."""
     dev, A, R = cache.lens.device, len(new_ids), len(cache.lens)
     new_ids = list(new_ids) + [[]] * (R - A)                                    # static pool: extra rows idle
-    T = max(1, max(len(x) for x in new_ids))
-    ids = torch.tensor([list(x) + [0] * (T - len(x)) for x in new_ids], device=dev)  # [R, T] right-padded
     n = torch.tensor([len(x) for x in new_ids], device=dev)                     # [R]
     live = [l + len(x) for l, x in zip(cache.lens.tolist(), new_ids) if x]
     hi = max(live) if live else 1                                               # longest live row after the append
@@ -483,8 +502,10 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
     nodes = shared_prefixes(new_ids)[0] if share and not bool(cache.lens.any()) else None
     if nodes:  # fresh rows whose prompts share prefixes (a preset's instructions, a group's prompt): each once
         logits = prefill_shared(model, cache, new_ids, nodes, hi)
-    else:
-        logits = forward_cached(model, cache.k, cache.v, cache.lens, ids, n, hi)   # [R, V]
+    else:  # the append at its bucketed shape (KVCache.prefill_shape)
+        T, end = cache.prefill_shape(max(1, max(len(x) for x in new_ids)), hi)
+        ids = torch.tensor([list(x) + [0] * (T - len(x)) for x in new_ids], device=dev)  # [R, T] right-padded
+        logits = forward_cached(model, cache.k, cache.v, cache.lens, ids, n, end)  # [R, V]
     cache.lens += n
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
     out = torch.zeros(R, max_new_tokens, dtype=torch.long, device=dev)          # [R, N]
@@ -501,14 +522,28 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
         out[:, t], out_lp[:, t] = tok, lp
         count += (~done).long()
         done = done | torch.isin(tok, stop) | (count == max_new_tokens)
-        if t == max_new_tokens - 1 or (t % every == every - 1 and bool(done.all())):  # the only host sync
+        if t == max_new_tokens - 1:
             break
+        if t % every == every - 1:  # the only host sync
+            if stop_at is not None:  # rows whose text completed a turn stop too (cut below)
+                rows = (~done[:A]).nonzero().flatten().tolist()
+                held = out[rows, :t + 1].tolist()
+                ended = [b for b, ids in zip(rows, held) if stop_at(ids) is not None]
+                done[ended] = True
+            if bool(done.all()):
+                break
         fed = (~done).long()                                                    # finished rows idle
         end = hi + 1 if not cache.static else min(cache.k[0].shape[2], (hi // 128 + 1) * 128)  # buckets: few graphs
         tok, lp = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end, keys + (t + 1), temp, nucleus, greedy)
         cache.lens += fed
         hi += 1
     count, out, out_lp = count.tolist(), out.tolist(), out_lp.tolist()
+    if stop_at is not None:  # keep each row up to its turn's end; its cache row holds the kept tokens but the last
+        for b in range(A):
+            n = stop_at(out[b][:count[b]])
+            if n is not None and n < count[b]:
+                cache.lens[b] -= count[b] - n
+                count[b] = n
     return [out[b][:count[b]] for b in range(A)], [out_lp[b][:count[b]] for b in range(A)]
 
 
@@ -542,22 +577,30 @@ FORMATS = {True: "<think> [Your thoughts] </think> <answer> [your answer] </answ
 SPECIAL_STRINGS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
 
 
+def system_message(preset):
+    """The system message's text. RAGEN-2's presets (preset["instruction_in_system"]) append the instruction to
+    SYSTEM (RAGEN-2 ctx_manager._build_system_content); v1's keep SYSTEM alone and open the first user message
+    with the instruction (opening_message)."""
+    return SYSTEM + preset["instruction"] if preset.get("instruction_in_system") else SYSTEM
+
+
 def turn_prompt(preset, turn, state, actions_left, think):
     """RAGEN ctx_manager.get_lm_inputs: the '\\nTurn i:' block of a user message."""
     return (f"\nTurn {turn}:\nState:\n{state}\nYou have {actions_left} actions left. Always output: {FORMATS[think]} "
             f"with no extra text. Strictly follow this format. Max response length: {preset['max_tokens']} words (tokens).\n")
 
 
-def chat_pieces(tok):
+def chat_pieces(tok, system=SYSTEM):
     """Cut the chat template into the texts that surround messages, so that a conversation can be
     built by appending tokens: first = head + user + gen; next turns = close + user_head + user + gen.
+    head holds the system message with the text `system`, as the template renders it.
     The check: appending gives exactly the template's own rendering of the conversation with the earlier
     assistant turn as history. Qwen3's template renders a *last* assistant turn with an empty think block
     but history turns without one, so the history rendering is the one to match (README 'Models').
     Works for ChatML-style templates (Qwen2.5, Qwen3, SmolLM2, tiny) and Llama 3.x; others get a clear error."""
     U, A = "\x01USER\x01", "\x01ASSISTANT\x01"
     render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    sys_u = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": U}]
+    sys_u = [{"role": "system", "content": system}, {"role": "user", "content": U}]
     asst = {"role": "assistant", "content": A}
     head, gen = render(sys_u, True).split(U)
     close = render(sys_u + [asst], False).split(A)[-1]             # after the turn, e.g. "<|im_end|>\n"
@@ -568,11 +611,14 @@ def chat_pieces(tok):
     return head, gen, close, user_head
 
 
+TURN_PATTERNS = {True: re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL),  # RAGEN's
+                 False: re.compile(r"<answer>(.*?)</answer>", re.DOTALL)}                      # _parse_response
+
+
 def parse_response(text, think, max_actions):
     """RAGEN ctx_manager._parse_response. text includes the forced '<think>'/'<answer>' prefix.
     Returns (think_text, actions, matched)."""
-    pattern = r"<think>(.*?)</think>\s*<answer>(.*?)</answer>" if think else r"<answer>(.*?)</answer>"
-    match = re.search(pattern, text, re.DOTALL)
+    match = TURN_PATTERNS[think].search(text)
     if match is None:
         return "", [], False
     parts = list(match.groups())
@@ -580,6 +626,24 @@ def parse_response(text, think, max_actions):
         parts = [p.replace(s, "") for p in parts]
     actions = [a.strip() for a in parts[-1].strip().split("||") if a.strip()]
     return (parts[0].strip() if think else ""), actions[:max_actions], True
+
+
+def answer_end(tok, forced, think):
+    """sample_turn's stop_at for a turn that ends where RAGEN ends it: at the closing tag of its first match of
+    RAGEN's pattern (think mode: the '</answer>' that completes think-then-answer). Returns a function of a row's
+    sampled tokens: the number of tokens up to and including the one that completes the match, or None while
+    there is no match. The match of the kept tokens is the match of any longer text: the earliest-ending match
+    also starts leftmost (the pattern's (.*?) may swallow an earlier '<think>' / '<answer>'), so parsing the
+    cut turn gives the uncut turn's think and actions. A token that completes the tag and carries text past it
+    is kept whole: the kept tokens are always a prefix of the sampled ones."""
+    pattern = TURN_PATTERNS[think]
+    found = lambda ids, n: pattern.search(forced + tok.decode(ids[:n], skip_special_tokens=True)) is not None
+
+    def stop_at(ids):
+        if not found(ids, len(ids)):
+            return None
+        return bisect.bisect_left(range(len(ids) + 1), True, key=lambda n: found(ids, n))  # the shortest prefix
+    return stop_at
 
 
 def reasoning_span(tok, tokens, loss_mask, turn_end, think):
@@ -648,11 +712,13 @@ def retell(ep, lo, turn, think, format_penalty):
 
 def opening_message(ep, t, lo, first_shown, chat, preset, think, format_penalty):
     """Token ids of the user message that opens turn t of episode ep when turn lo opens the conversation: turn lo
-    with the instruction (single_turn: turns first_shown..t-1 retold before it), later turns with RAGEN's "Reward:"
-    feedback sharing the message. chat: (tokenizer, head, user_head, gen + the forced tag) of chat_pieces."""
+    after the system message, with the instruction unless the system message holds it (system_message; single_turn:
+    turns first_shown..t-1 retold before the turn), later turns with RAGEN's "Reward:" feedback sharing the message.
+    chat: (tokenizer, head, user_head, gen + the forced tag) of chat_pieces(tok, system_message(preset))."""
     tok, head, user_head, tail = chat
     if t == lo:
-        text = head + preset["instruction"] + retell(ep, first_shown, t, think, format_penalty) + ep["users"][t - 1] + tail
+        instruction = "" if preset.get("instruction_in_system") else preset["instruction"]
+        text = head + instruction + retell(ep, first_shown, t, think, format_penalty) + ep["users"][t - 1] + tail
     else:
         text = user_head + f"Reward:\n{ep['turn_rewards'][t - 2]}\n" + ep["users"][t - 1] + tail
     return tok.encode(text, add_special_tokens=False)
@@ -686,14 +752,155 @@ def pack_rows(rows, pad):
     return tokens, attention_mask, loss_mask, old_logp
 
 
+STATS = ("num_turns", "num_actions", "valid_actions", "invalid_actions", "effective_actions", "format_errors",
+         "context_truncated", "response_tokens", "think_tokens", "prefill_tokens", "prefill_saved", "context_rebuilds")
+
+
+def new_episode(budget):
+    """One episode's state: its conversation (token ids, 1 where the policy sampled the token, their log-probs) and
+    where its answers end in it; per turn: reward, parsed response, state, user message, (answer, log-probs,
+    closing); per-episode counters (STATS), numeric env info values, format penalty, its action budget, how it ended."""
+    return dict(ids=[], sampled=[], logps=[], turn_ends=[], turn_rewards=[], responses=[], states=[], users=[],
+                answers=[], stats=dict.fromkeys(STATS, 0), extras={}, penalty=0.0, success=False, finished=False,
+                shown_from=1, budget=budget)
+
+
+def open_turn(ep, env, turn, chat, preset, think, format_penalty, window, window_mode, room):
+    """Append the user message that opens `turn` to episode ep. A context window that drops a turn re-renders the
+    kept ones first (returns rebuilt=True: its KV row must be prefilled again). room: the most tokens the
+    conversation may hold before the answer; past it the episode ends here, truncated. Returns (opened, rebuilt)."""
+    ep["states"].append(env.render())
+    ep["users"].append(turn_prompt(preset, turn, ep["states"][-1], ep["budget"] - ep["stats"]["num_actions"], think))
+    shown = max(1, turn - window + 1) if window > 0 else 1  # first turn the model sees
+    lo = turn if window_mode == "single_turn" else shown    # first turn given as chat messages
+    rebuilt = lo != ep["shown_from"]
+    if rebuilt:  # turns left the prompt: re-render the kept ones from their own tokens
+        ep["shown_from"] = lo
+        rebuild_window(ep, lo, turn, shown, chat, preset, think, format_penalty)
+        ep["stats"]["context_rebuilds"] += 1
+    ids = opening_message(ep, turn, lo, shown, chat, preset, think, format_penalty)
+    if len(ep["ids"]) + len(ids) > room:
+        ep["finished"] = True  # would not fit: end here, counted as truncated
+        ep["stats"]["context_truncated"] = 1
+        if turn == 1:
+            append(ep, ids)  # keep the prompt for the logs; this row has no sampled tokens
+        return False, rebuilt
+    append(ep, ids)
+    return True, rebuilt
+
+
+def cache_rows(model, cache, rows, eps, new, rebuilt, kv_reuse, static, max_context, share_prefixes):
+    """The KV cache for this turn's sampling: kept from the last turn (finished episodes dropped; static: kept as
+    idle rows), or fresh (the first turn; every turn without kv_reuse, the re-prefill reference path). Rows whose
+    window was rebuilt start again from slot 0. Counts prefill_tokens and prefill_saved (shared_prefixes, as
+    sample_turn shares them). Returns (cache, rows: the episode of each cache row, todo: each row's new tokens)."""
+    if cache is None or not kv_reuse:
+        rows = list(range(len(eps))) if static else sorted(new)
+        cache = KVCache(model, len(rows), static_capacity(max_context + 1) if static else 256, static=static)
+    elif not static:
+        keep = [i for i, b in enumerate(rows) if b in new]
+        cache.select(keep)
+        rows = [rows[i] for i in keep]
+    for i, b in enumerate(rows):
+        if b in rebuilt:  # the cache row holds turns the prompt no longer shows
+            cache.lens[i] = 0
+    lens = cache.lens.tolist()
+    todo = [eps[b]["ids"][lens[i]:] if b in new else [] for i, b in enumerate(rows)]
+    saved = shared_prefixes(todo)[1] if share_prefixes and not any(lens) else [0] * len(rows)
+    for i, b in enumerate(rows):
+        eps[b]["stats"]["prefill_tokens"] += len(todo[i])
+        eps[b]["stats"]["prefill_saved"] += saved[i]
+    return cache, rows, todo
+
+
+def script_turn(respond, envs, rows, enc, close_ids, stop_at, max_new_tokens):
+    """sft.py's demonstrations: respond(b, env)'s text for each row, laid out as a sampled turn (its tokens, then
+    the stop token a sampler would draw, cut at the closing tag as stop_at cuts; mask 1, log-prob 0). No model,
+    no cache. A text longer than a sampled answer could be is refused: the demonstration would lie."""
+    toks = []
+    for b in rows:
+        t = enc(respond(b, envs[b])) + close_ids[:1]
+        t = t[:stop_at(t) or len(t)] if stop_at else t
+        if len(t) > max_new_tokens:
+            raise ValueError(f"respond's answer for episode {b} is {len(t)} tokens with its stop token, over "
+                             f"max_new_tokens {max_new_tokens}")
+        toks.append(t)
+    return toks, [[0.0] * len(t) for t in toks]
+
+
+def record_turn(ep, env, out, lp, tok, forced, close_ids, think, max_actions_per_turn, format_penalty, per_turn_row):
+    """Lay out episode ep's answer (out: sampled tokens, lp: their log-probs) and close the turn: the end-of-turn
+    tokens follow, forced (mask 0) unless the answer ended with the sampled one. Parse it as RAGEN does, step the
+    env with its actions, and count. per_turn_row: also return the turn's own training row (the context it was
+    sampled in, loss on this answer only: the windowed modes), else None."""
+    append(ep, out, lp)
+    ep["turn_ends"].append(len(ep["ids"]) - 1)
+    closing = close_ids[1:] if out[-1] == close_ids[0] else close_ids
+    append(ep, closing)
+    ep["answers"].append((out, lp, closing))
+    row = None
+    if per_turn_row:
+        n = len(ep["ids"]) - len(out) - len(closing)
+        row = (list(ep["ids"]), [False] * n + [True] * len(out) + [False] * len(closing), [0.0] * n + lp + [0.0] * len(closing))
+    text = forced + tok.decode(out, skip_special_tokens=True)   # RAGEN prepends the forced tag back
+    thought, actions, matched = parse_response(text, think, max_actions_per_turn)
+    s, budget = ep["stats"], ep["budget"]
+    reward, done, info, c, infos = step_env(env, actions, budget - s["num_actions"])
+    bad = c["invalid"] > 0 or c["valid"] == 0  # RAGEN: any dropped action, or none valid at all
+    ep["penalty"] += format_penalty if bad else 0.0
+    ep["turn_rewards"].append(reward)
+    for k, ck in (("num_actions", "executed"), ("valid_actions", "valid"), ("invalid_actions", "invalid"),
+                  ("effective_actions", "effective")):
+        s[k] += c[ck]
+    s["num_turns"] += 1
+    s["format_errors"] += int(bad)
+    s["response_tokens"] += len(out)
+    s["think_tokens"] += len(tok.encode(thought, add_special_tokens=False)) if thought else 0
+    for inf in infos:  # numeric env info keys, averaged per episode at the end
+        for k, v in inf.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in s:
+                ep["extras"].setdefault(k, []).append(float(v))
+    ep["responses"].append(dict(raw=text, think=thought, actions=actions, matched=matched, reward=reward, penalized=bad,
+                                info={k: getattr(v, "item", lambda: v)() for k, v in info.items()}))
+    if done:  # RAGEN: terminated; success only if the env says so (else truncated)
+        ep["finished"], ep["success"] = True, bool(info.get("success", False))
+    elif s["num_actions"] >= budget:
+        ep["finished"] = True
+    return row
+
+
+def rollout_output(eps, samples, tok, group_size):
+    """rollout()'s result: training rows as tensors (one per episode, or the per-turn rows of a windowed mode)."""
+    B = len(eps)
+    rows = [(b, e["ids"], e["sampled"], e["logps"]) for b, e in enumerate(eps)]  # R = B, one per episode
+    turn_ends = [e["turn_ends"] for e in eps]
+    if samples is not None:  # one row per turn, each with its one trained answer
+        rows = samples
+        turn_ends = [[max(i for i, f in enumerate(flags) if f)] for _, _, flags, _ in samples]
+    tokens, attention_mask, loss_mask, old_logp = pack_rows(rows, tok.pad_token_id if tok.pad_token_id is not None else 0)
+    penalty = torch.tensor([e["penalty"] for e in eps])
+    stats = {k: torch.tensor([e["stats"][k] for e in eps], dtype=torch.bool if k == "context_truncated" else torch.float)
+             for k in STATS}
+    for k in sorted({k for e in eps for k in e["extras"]}):  # per-row means of numeric env info extras
+        stats[k] = torch.tensor([sum(e["extras"][k]) / len(e["extras"][k]) if e["extras"].get(k) else 0.0 for e in eps])
+    return dict(tokens=tokens, attention_mask=attention_mask, loss_mask=loss_mask, old_logp=old_logp,
+                turn_ends=turn_ends, turn_rewards=[e["turn_rewards"] for e in eps], penalty=penalty,
+                scores=torch.tensor([sum(e["turn_rewards"]) for e in eps]) + penalty,
+                success=torch.tensor([e["success"] for e in eps]), group=torch.arange(B) // group_size,
+                episode=torch.tensor([r[0] for r in rows], dtype=torch.long),
+                text=[tok.decode(e["ids"]) for e in eps], stats=stats, responses=[e["responses"] for e in eps])
+
+
 def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
             temperature=1.0, top_p=1.0, greedy=False, think=True, max_context=4096, format_penalty=-0.1,
             kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None, sampler=None,
-            share_prefixes=True, respond=None):
+            share_prefixes=True, respond=None, stop_at_answer=True):
     """Play B = num_groups * group_size episodes at once; one token sequence per episode.
     The sampling noise of a token is a pure function of (sample_seed, the episode's env seed, its index in
-    the group, the turn, the token's index in the turn): the same episodes sample the same tokens whatever
-    the batch, the number of ranks, the cache path, or a resume.
+    the group, the turn, the token's index in the turn): the same episodes draw the same noise whatever the batch,
+    the number of ranks, the cache path, or a resume, and so sample the same tokens where their logits come out
+    the same (fp32 on the CPU, tested); in bf16 on CUDA a GEMM rounds by its shape, so a token may differ where
+    two noisy logits are within rounding.
     Context windows (RAGEN-2 agent_proxy.context_window_mode, max_context_window): window = k > 0 shows only
     the last k turns (the current one included; turn numbers kept), window = -1 all of them. window_mode:
       full                one training row per episode, its whole conversation (with a window: the last one shown)
@@ -708,7 +915,11 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar).
     sampler: a Sampler (default: sampler_settings of the model's device).
     respond(b, env), if given, writes episode b's answer (the text after the forced tag) in place of sampling: the
-    model is not run, and the answer is laid out as a sampled one that stopped (sft.py's demonstrations)."""
+    model is not run, and the answer is laid out as a sampled one that stopped (sft.py's demonstrations).
+    stop_at_answer: a turn ends at its closing tag, as RAGEN ends it (answer_end): what a row samples past the tag
+    is dropped before it is trained, logged or shown again, and the end-of-turn tokens after the tag are forced
+    (mask 0: every trained token is one the policy sampled). False: a turn runs to a stop token or its budget and
+    every sampled token is kept (trained, and shown in later turns)."""
     B = len(envs)
     if len(seeds) != B or group_size < 1 or B % group_size:
         raise ValueError(f"need one seed per env and B={B} divisible by group_size={group_size}")
@@ -716,141 +927,50 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
         raise ValueError("all members of a group must share a seed (RAGEN group = same initial state)")
     if temperature <= 0 or max_new_tokens < 1:
         raise ValueError("need temperature > 0 (greedy=True for argmax) and max_new_tokens >= 1")
-    head, gen, close, user_head = chat_pieces(tok)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
-    forced = "<think>" if think else "<answer>"  # RAGEN appends it after the generation prompt
-    close_ids = enc(close)                       # e.g. [<|im_end|>, "\n"]
-    gc_eos = model.generation_config.eos_token_id
-    stop_ids = ({close_ids[0], tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos])) - {None}
-    budget = preset["max_actions_per_traj"]
     if window_mode not in ("full", "limited_multi_turn", "single_turn") or window == 0 or window < -1:
         raise ValueError(f"window_mode {window_mode!r} / window {window}: need full, limited_multi_turn or "
                          "single_turn and a window of -1 (all turns) or k >= 1")
-
-    for env, seed in zip(envs, seeds):
-        env.reset(seed) if split is None else env.reset(seed, split=split)
-    # per episode: its conversation (token ids, 1 where the policy sampled the token, their log-probs), where its
-    # answers end in it, and per turn: reward, parsed response, state, user message, (answer, log-probs, closing)
-    eps = [dict(ids=[], sampled=[], logps=[], turn_ends=[], turn_rewards=[], responses=[], states=[], users=[],
-                answers=[]) for _ in range(B)]
-    penalty, success, finished = [0.0] * B, [False] * B, [False] * B
-    keys = ("num_turns", "num_actions", "valid_actions", "invalid_actions", "effective_actions", "format_errors",
-            "context_truncated", "response_tokens", "think_tokens", "prefill_tokens", "prefill_saved", "context_rebuilds")
-    stats = {k: [0] * B for k in keys}
-    extras = [{} for _ in range(B)]   # numeric env info keys -> list of values
-    shown_from, samples = [1] * B, []  # first turn given as chat messages; per-turn rows (b, ids, flags, logps)
+    head, gen, close, user_head = chat_pieces(tok, system_message(preset))
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    forced = "<think>" if think else "<answer>"  # RAGEN appends it after the generation prompt
     chat = (tok, head, user_head, gen + forced)
-
+    close_ids = enc(close)                       # e.g. [<|im_end|>, "\n"]
+    gc_eos = model.generation_config.eos_token_id
+    stop_ids = ({close_ids[0], tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos])) - {None}
+    stop_at = answer_end(tok, forced, think) if stop_at_answer else None  # a turn ends at its closing tag
     sampler = sampler or sampler_settings(model.lm_head.weight.device)
-    static = sampler.static  # fixed batch/capacity: one graph
-    cache, rows = None, list(range(B))     # rows[i] = episode held in cache row i
+    room = max_context - max_new_tokens - len(close_ids)  # the most a conversation may hold before an answer
+
+    for b, (env, seed) in enumerate(zip(envs, seeds)):  # RAGEN-2's Bandit (seed_per_member): one game per member
+        member = dict(member=b % group_size) if preset.get("seed_per_member") else {}
+        env.reset(seed, **member) if split is None else env.reset(seed, split=split, **member)
+    eps = [new_episode(preset["max_actions_per_traj"]) for _ in range(B)]
+    samples = None if window_mode == "full" else []  # the windowed modes' per-turn rows (b, ids, flags, logps)
+    cache, rows = None, list(range(B))  # rows[i] = the episode held in cache row i
     for turn in range(1, max_turns + 1):
         if progress is not None:
             progress(turn, max_turns)
-        new, rebuilt = {}, set()
-        for b in range(B):  # the user message of this turn, tokenised on its own and appended
-            if finished[b]:
-                continue
-            eps[b]["states"].append(envs[b].render())
-            eps[b]["users"].append(turn_prompt(preset, turn, eps[b]["states"][-1], budget - stats["num_actions"][b], think))
-            shown = max(1, turn - window + 1) if window > 0 else 1  # first turn the model sees
-            lo = turn if window_mode == "single_turn" else shown    # first turn given as chat messages
-            if lo != shown_from[b]:  # turns left the prompt: re-render the kept ones from their own tokens
-                shown_from[b] = lo
-                rebuild_window(eps[b], lo, turn, shown, chat, preset, think, format_penalty)
-                rebuilt.add(b)
-                stats["context_rebuilds"][b] += 1
-            # turn lo opens with the instruction; later ones: RAGEN's "Reward:" feedback and the next turn share a user message
-            ids = opening_message(eps[b], turn, lo, shown, chat, preset, think, format_penalty)
-            if len(eps[b]["ids"]) + len(ids) + max_new_tokens + len(close_ids) > max_context:
-                finished[b] = True  # would not fit: end here, counted as truncated
-                stats["context_truncated"][b] = 1
-                if turn == 1:
-                    append(eps[b], ids)  # keep the prompt for the logs; this row has no sampled tokens
-                continue
-            append(eps[b], ids)
-            new[b] = ids
+        new, rebuilt = set(), set()
+        for b in (b for b in range(B) if not eps[b]["finished"]):
+            opened, again = open_turn(eps[b], envs[b], turn, chat, preset, think, format_penalty, window, window_mode, room)
+            new |= {b} if opened else set()
+            rebuilt |= {b} if again else set()
         if not new:
             break
-        if cache is None or not kv_reuse:  # re-prefill reference path: a fresh cache every turn
-            rows = list(range(B)) if static else sorted(new)
-            cache = KVCache(model, len(rows), static_capacity(max_context + 1) if static else 256, static=static)
-        elif not static:                   # drop finished episodes from the batch
-            keep = [i for i, b in enumerate(rows) if b in new]
-            cache.select(keep)
-            rows = [rows[i] for i in keep]
-        for i, b in enumerate(rows):
-            if b in rebuilt:  # the cache row holds turns the prompt no longer shows: prefill it again from slot 0
-                cache.lens[i] = 0
-        lens = cache.lens.tolist()
-        todo = [eps[b]["ids"][lens[i]:] if b in new else [] for i, b in enumerate(rows)]
-        saved = shared_prefixes(todo)[1] if share_prefixes and not any(lens) else [0] * len(rows)  # as sample_turn shares
-        for i, b in enumerate(rows):
-            stats["prefill_tokens"][b] += len(todo[i])
-            stats["prefill_saved"][b] += saved[i]
-        keys = row_keys([sample_seed] * len(rows), [seeds[b] for b in rows], [b % group_size for b in rows], [turn] * len(rows))
-        if respond is None:
+        if respond is not None:  # scripted: no model, no cache
+            rows = sorted(new)
+            toks, lps = script_turn(respond, envs, rows, enc, close_ids, stop_at, max_new_tokens)
+        else:
+            cache, rows, todo = cache_rows(model, cache, rows, eps, new, rebuilt, kv_reuse, sampler.static, max_context,
+                                           share_prefixes)
+            keys = row_keys([sample_seed] * len(rows), [seeds[b] for b in rows], [b % group_size for b in rows],
+                            [turn] * len(rows))
             toks, lps = sample_turn(model, cache, todo, max_new_tokens, stop_ids, keys, temperature, top_p, greedy,
-                                    sampler, share_prefixes)
-        else:  # scripted: the text's tokens and the stop token a sampled answer ends with (mask 1, log-prob 0)
-            toks = [enc(respond(b, envs[b])) + close_ids[:1] if b in new else [] for b in rows]
-            lps = [[0.0] * len(t) for t in toks]
-            for b, t in zip(rows, toks):  # a sampled answer could not be this long: the demonstration would lie
-                if len(t) > max_new_tokens:
-                    raise ValueError(f"respond's answer for episode {b} is {len(t)} tokens with its stop token, over "
-                                     f"max_new_tokens {max_new_tokens}")
-
+                                    sampler, share_prefixes, stop_at)
         for i, b in enumerate(rows):
-            if b not in new:
-                continue
-            out, lp = toks[i], lps[i]
-            append(eps[b], out, lp)
-            eps[b]["turn_ends"].append(len(eps[b]["ids"]) - 1)
-            # close the assistant turn; a turn cut by its budget gets the end-of-turn token forced (mask 0)
-            closing = close_ids[1:] if out[-1] == close_ids[0] else close_ids
-            append(eps[b], closing)
-            eps[b]["answers"].append((out, lp, closing))
-            if window_mode != "full":  # one row per turn: the context it was sampled in, loss on this answer only
-                n = len(eps[b]["ids"]) - len(out) - len(closing)
-                samples.append((b, list(eps[b]["ids"]), [False] * n + [True] * len(out) + [False] * len(closing),
-                                [0.0] * n + lp + [0.0] * len(closing)))
-            text = forced + tok.decode(out, skip_special_tokens=True)   # RAGEN prepends the forced tag back
-            thought, actions, matched = parse_response(text, think, max_actions_per_turn)
-            reward, done, info, c, infos = step_env(envs[b], actions, budget - stats["num_actions"][b])
-            bad = c["invalid"] > 0 or c["valid"] == 0  # RAGEN: any dropped action, or none valid at all
-            penalty[b] += format_penalty if bad else 0.0
-            eps[b]["turn_rewards"].append(reward)
-            for k, ck in (("num_actions", "executed"), ("valid_actions", "valid"), ("invalid_actions", "invalid"),
-                          ("effective_actions", "effective")):
-                stats[k][b] += c[ck]
-            stats["num_turns"][b] += 1
-            stats["format_errors"][b] += int(bad)
-            stats["response_tokens"][b] += len(out)
-            stats["think_tokens"][b] += len(enc(thought)) if thought else 0
-            for inf in infos:
-                for k, v in inf.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in stats:
-                        extras[b].setdefault(k, []).append(float(v))
-            eps[b]["responses"].append(dict(raw=text, think=thought, actions=actions, matched=matched, reward=reward,
-                                     penalized=bad, info={k: getattr(v, "item", lambda: v)() for k, v in info.items()}))
-            if done:  # RAGEN: terminated; success only if the env says so (else truncated)
-                finished[b], success[b] = True, bool(info.get("success", False))
-            elif stats["num_actions"][b] >= budget:
-                finished[b] = True
-
-    turn_ends = [e["turn_ends"] for e in eps]
-    train_rows = [(b, e["ids"], e["sampled"], e["logps"]) for b, e in enumerate(eps)]  # R = B, one per episode
-    if window_mode != "full":  # one row per turn, each with its one trained answer
-        train_rows = samples
-        turn_ends = [[max(i for i, f in enumerate(flags) if f)] for _, _, flags, _ in samples]
-    tokens, attention_mask, loss_mask, old_logp = pack_rows(train_rows, tok.pad_token_id if tok.pad_token_id is not None else 0)
-    penalty_t = torch.tensor(penalty)
-    out_stats = {k: torch.tensor(v, dtype=torch.bool if k == "context_truncated" else torch.float) for k, v in stats.items()}
-    for k in sorted({k for e in extras for k in e}):  # per-row means of numeric env info extras
-        out_stats[k] = torch.tensor([sum(e[k]) / len(e[k]) if e.get(k) else 0.0 for e in extras])
-    return dict(tokens=tokens, attention_mask=attention_mask, loss_mask=loss_mask, old_logp=old_logp,
-                turn_ends=turn_ends, turn_rewards=[e["turn_rewards"] for e in eps], penalty=penalty_t,
-                scores=torch.tensor([sum(e["turn_rewards"]) for e in eps]) + penalty_t,
-                success=torch.tensor(success), group=torch.arange(B) // group_size,
-                episode=torch.tensor([r[0] for r in train_rows], dtype=torch.long),
-                text=[tok.decode(e["ids"]) for e in eps], stats=out_stats, responses=[e["responses"] for e in eps])
+            if b in new:
+                row = record_turn(eps[b], envs[b], toks[i], lps[i], tok, forced, close_ids, think, max_actions_per_turn,
+                                  format_penalty, samples is not None)
+                if row is not None:
+                    samples.append((b, *row))
+    return rollout_output(eps, samples, tok, group_size)
