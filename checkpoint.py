@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fsdp import full_state, meta_copy
+from fsdp import full_state, load_state, meta_copy
 
 # A resumed run takes the same flags, except these, which change neither what is trained nor the sampled tokens:
 # where and how long it runs, what it logs, memory, and the reference paths
@@ -119,36 +119,52 @@ def lora_export(model_name, lora_config, adapter_sd, adapter_dir=None):
     return model.merge_and_unload()
 
 
-def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout_model, tok, master, lora_config=None):
+def save_checkpoint(args, step, monitor, st):
     """ckpt.pt and a plain HF directory <args.out>/hf, both written under temporary names and renamed in: hf first,
-    ckpt.pt last (the commit). Every rank calls it (the state dicts are gathered collectively), rank 0 (master)
-    writes. Killed at any instant, the previous checkpoint stays whole, hf/ is ahead of ckpt.pt for at most one
-    rename, and clean_interrupted_checkpoint() puts it back; a failed write raises OSError. lora_config: the peft
-    config of the actor's adapters (None: full fine-tuning)."""
+    ckpt.pt last (the commit). st: train.py's State (the models, optimisers, tokenizer, rank). Every rank calls it
+    (the state dicts are gathered collectively), rank 0 writes. Killed at any instant, the previous checkpoint stays
+    whole, hf/ is ahead of ckpt.pt for at most one rename, and clean_interrupted_checkpoint() puts it back; a failed
+    write raises OSError, which says so."""
     lora = args.lora_rank > 0  # LoRA: adapters (+ critic head)
-    actor_sd, actor_osd = full_state(actor, opt, lora)
-    critic_sd, critic_osd = full_state(critic, critic_opt, lora) if critic is not None else (None, None)
-    if not master:
+    actor_sd, actor_osd = full_state(st.actor, st.opt, lora)
+    critic_sd, critic_osd = full_state(st.critic, st.critic_opt, lora) if st.critic is not None else (None, None)
+    if st.rank != 0:
         return
     state = dict(step=step, args={k: v for k, v in vars(args).items()}, actor=actor_sd, actor_opt=actor_osd,
                  critic=critic_sd, critic_opt=critic_osd, torch_rng=torch.get_rng_state(), monitor=monitor)
     j = lambda name: os.path.join(args.out, name)
-    clean_interrupted_checkpoint(args.out)
-    torch.save(state, j("ckpt.pt.tmp"))
-    if lora:
-        export = lora_export(args.model, lora_config, actor_sd, os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
-    else:
-        # the rollout copy's structure holding the gathered CPU tensors themselves: no weight copy, none on the GPU
-        export = meta_copy(rollout_model)
-        export.load_state_dict(actor_sd, assign=True)
-        export.tie_weights()
-    export.save_pretrained(j("hf.tmp"))
-    tok.save_pretrained(j("hf.tmp"))
-    if os.path.isdir(j("hf")):
-        os.rename(j("hf"), j("hf.old"))
-    os.rename(j("hf.tmp"), j("hf"))
-    os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
-    shutil.rmtree(j("hf.old"), ignore_errors=True)
+    try:
+        clean_interrupted_checkpoint(args.out)
+        torch.save(state, j("ckpt.pt.tmp"))
+        if lora:  # the peft config of the actor's adapters (st.lora_config: its factory)
+            export = lora_export(args.model, st.lora_config(), actor_sd,
+                                 os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
+        else:
+            # the rollout copy's structure holding the gathered CPU tensors themselves: no weight copy, none on the GPU
+            export = meta_copy(st.rollout_model)
+            export.load_state_dict(actor_sd, assign=True)
+            export.tie_weights()
+        export.save_pretrained(j("hf.tmp"))
+        st.tok.save_pretrained(j("hf.tmp"))
+        if os.path.isdir(j("hf")):
+            os.rename(j("hf"), j("hf.old"))
+        os.rename(j("hf.tmp"), j("hf"))
+        os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
+        shutil.rmtree(j("hf.old"), ignore_errors=True)
+    except OSError as e:
+        raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
+
+
+def load_checkpoint(args, ckpt, st):
+    """Fill train.py's State st (models, optimisers) and the torch RNG from open_run's checkpoint ckpt (None: a fresh
+    run). Returns (the first step to run, the collapse indicators and stop counters, checkpointed with the run)."""
+    if ckpt is None:
+        return 0, {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
+    load_state(st.actor, st.opt, ckpt["actor"], ckpt["actor_opt"], args.lora_rank > 0)
+    if st.critic is not None:
+        load_state(st.critic, st.critic_opt, ckpt["critic"], ckpt["critic_opt"], args.lora_rank > 0)
+    torch.set_rng_state(ckpt["torch_rng"])
+    return ckpt["step"] + 1, ckpt["monitor"]
 
 
 def print_summary(args):

@@ -14,6 +14,7 @@ Episodes are played by rollout.rollout(), the same agent loop that training uses
 """
 import argparse
 import fnmatch
+import inspect
 import json
 import math
 import os
@@ -22,60 +23,14 @@ import time
 
 import torch
 
-import env_bandit
-import env_countdown
-import env_frozenlake
-import env_sokoban
-import env_webshop
+import agent
 from rollout import load_model, rollout
 
-# every preset of every env file, plus short names. train.py takes the presets and the agent settings below from
-# here, so a run's validation and eval.py play episodes with the same settings
-ENV_CLASSES = {}
-for _cls, _mod in [(env_bandit.BanditEnv, env_bandit), (env_sokoban.SokobanEnv, env_sokoban),
-                   (env_frozenlake.FrozenLakeEnv, env_frozenlake), (env_webshop.WebShopEnv, env_webshop),
-                   (env_countdown.CountdownEnv, env_countdown)]:
-    for _name, _preset in _mod.PRESETS.items():
-        ENV_CLASSES[_name] = (_cls, _preset)
-SHORT_NAMES = {"bandit": "Bandit", "sokoban": "SimpleSokoban", "frozenlake": "FrozenLake", "webshop": "WebShop",
-               "countdown": "Countdown"}
-AGENT_DEFAULTS = dict(max_turns=5, max_actions_per_turn=5, max_context=3600)  # unless the preset fixes them (RAGEN's env configs)
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
 # (validation samples at --val-temperature, keyed by the run's --seed)
-FROM_RUN = dict({k: k for k in ("no_think", "max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens",
-                                 "max_context", "format_penalty", "top_p", "no_kv_reuse", "no_prefix_sharing", "max_context_window",
-                                 "context_window_mode", "val_seed")}, temperature="val_temperature", env="val_env",
-                sample_seed="seed")
-DEFAULTS = dict(no_think=False, max_actions_per_traj=None, max_new_tokens=400, format_penalty=-0.1, temperature=0.5,
-                top_p=1.0, no_kv_reuse=False, no_prefix_sharing=False, max_context_window=-1, context_window_mode="full", val_seed=123,
-                sample_seed=0, env=None)
-
-
-def preset_name(name):
-    """'sokoban' -> 'SimpleSokoban'; preset names are matched case-insensitively. ValueError for an unknown one."""
-    name = SHORT_NAMES.get(name.lower(), name)
-    for known in ENV_CLASSES:
-        if known.lower() == name.lower():
-            return known
-    raise ValueError(f"unknown env or preset {name!r}; choose from {sorted(SHORT_NAMES)} or {sorted(ENV_CLASSES)}")
-
-
-def agent_settings(preset_key, a):
-    """rollout()'s settings for one preset from train.py's flag values (a: dict, e.g. vars(args) or a run's
-    args.json): the preset with --max-actions-per-traj, the turn / action / token / context budgets (None: the
-    preset's, else AGENT_DEFAULTS), think mode, top-p, format penalty, KV reuse, the sampling-key seed and the
-    context window. The caller adds group_size, temperature and the per-call arguments."""
-    preset = ENV_CLASSES[preset_key][1]
-    budget = {k: a[k] if a.get(k) is not None else preset.get(k, v) for k, v in AGENT_DEFAULTS.items()}
-    return dict(preset=dict(preset, max_actions_per_traj=a["max_actions_per_traj"] or preset["max_actions_per_traj"]),
-                **budget, max_new_tokens=a["max_new_tokens"], top_p=a["top_p"], think=not a["no_think"],
-                format_penalty=a["format_penalty"], kv_reuse=not a["no_kv_reuse"], sample_seed=a["sample_seed"],
-                window=a["max_context_window"], window_mode=a["context_window_mode"])
-
-
-def die(msg):
-    print(f"eval.py: {msg}", file=sys.stderr)
-    sys.exit(2)
+FROM_RUN = dict({k: k for k in agent.FLAG_DEFAULTS if k != "temperature"}, val_seed="val_seed", temperature="val_temperature",
+                env="val_env", sample_seed="seed")
+DEFAULTS = dict(agent.FLAG_DEFAULTS, temperature=0.5, val_seed=123, sample_seed=0, env=None)  # RAGEN's val: T = 0.5
 
 
 def pass_at_k(n, c, k):
@@ -137,12 +92,14 @@ def print_table(rows):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def evaluate(args):
+def resolve(args):
+    """eval.py's flags completed and checked: a run directory's flags (FROM_RUN) for those not given, then DEFAULTS,
+    the output directory. Returns (the model directory or name to load, the presets); a ValueError says what is wrong."""
     run_dir, args.model = None, os.path.expanduser(args.model)
     if os.path.isdir(args.model) and os.path.exists(os.path.join(args.model, "args.json")):
         run_dir, model_path = args.model, os.path.join(args.model, "hf")
         if not os.path.isdir(model_path):
-            die(f"run directory {run_dir} has no hf/ (the run has not saved a checkpoint yet)")
+            raise ValueError(f"run directory {run_dir} has no hf/ (the run has not saved a checkpoint yet)")
         run_args = json.load(open(os.path.join(run_dir, "args.json")))
         for ours, theirs in FROM_RUN.items():
             if getattr(args, ours) is None and theirs in run_args:
@@ -152,50 +109,40 @@ def evaluate(args):
         looks_like_path = model_path.startswith((".", "/", "~")) or model_path.count("/") > 1 or (
             "/" in model_path and os.path.isdir(model_path.split("/")[0]))
         if looks_like_path and not os.path.isdir(model_path):
-            die(f"no model directory {model_path}")
+            raise ValueError(f"no model directory {model_path}")
     if os.path.isdir(model_path) and not os.path.exists(os.path.join(model_path, "config.json")):
-        die(f"{model_path} is not a model directory (no config.json)")
+        raise ValueError(f"{model_path} is not a model directory (no config.json)")
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if not args.env:
-        die("give --env (a preset or short name); only a run directory provides a default")
-    try:
-        presets = [preset_name(e) for e in args.env]
-    except ValueError as e:
-        die(str(e))
+        raise ValueError("give --env (a preset or short name); only a run directory provides a default")
+    presets = [agent.preset_name(e) for e in args.env]
     if args.samples < 1 or args.num_seeds < 1 or args.temperature <= 0:
-        die("--samples and --num-seeds must be >= 1 and --temperature > 0")
+        raise ValueError("--samples and --num-seeds must be >= 1 and --temperature > 0")
     if args.out is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = os.path.basename(os.path.normpath(args.model)) or "model"
         args.out = os.path.join(run_dir, f"eval-{stamp}") if run_dir else os.path.join("runs", f"eval-{base}-{stamp}")
+    return model_path, presets
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        die("--device cuda, but torch sees no GPU")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-    try:  # bf16 on GPU like train.py's rollout copy, fp32 on CPU
-        model, tok = load_model(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
-    os.makedirs(args.out, exist_ok=True)
-    mode = "greedy" if args.greedy else f"T={args.temperature}"
-    print(f"{args.model} on {presets} | {args.num_seeds} seeds from {args.val_seed} x {args.samples} samples, {mode}, "
-          f"think={not args.no_think}, {args.max_new_tokens} tokens per turn | {device} -> {args.out}")
 
+def evaluate(model, tok, args, presets):
+    """Play --num-seeds seeds x --samples episodes of each preset; write <out>/<preset>.jsonl and summary.json, print
+    the table. Returns its rows."""
     rows = {}
     for key in presets:
-        cls, preset = ENV_CLASSES[key]
-        settings = agent_settings(key, vars(args))
+        cls, preset, _ = agent.ENV_CLASSES[key]
+        settings = agent.agent_settings(key, vars(args))
         groups_per_call = max(1, args.batch_size // args.samples)  # bounded KV-cache memory
+        split = args.split if "split" in inspect.signature(cls.reset).parameters else None  # WebShop's goal splits
         records, t0, envs = [], time.time(), []
         for g0 in range(0, args.num_seeds, groups_per_call):
             gs = range(g0, min(g0 + groups_per_call, args.num_seeds))
             seeds = [args.val_seed + g for g in gs for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
             out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
-                          greedy=args.greedy, split=args.split if cls is env_webshop.WebShopEnv else None,
-                          share_prefixes=not args.no_prefix_sharing, **settings)
+                          greedy=args.greedy, split=split, **settings)
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
         elapsed = time.time() - t0
         with open(os.path.join(args.out, f"{key}.jsonl"), "w") as f:
@@ -226,7 +173,7 @@ def read_metrics(run_dir):
     """{key: ([steps], [values])} of <run_dir>/metrics.jsonl; validation and collapse keys appear on their steps only."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        die(f"no metrics.jsonl in {run_dir}")
+        raise ValueError(f"no metrics.jsonl in {run_dir}")
     series = {}
     for line in open(path):
         try:
@@ -243,7 +190,7 @@ def read_metrics(run_dir):
         if turns is not None and turns[0] == steps:
             series[prefix + "format_ok_rate"] = (steps, [1 - e / max(t, 1e-9) for e, t in zip(errors, turns[1])])
     if not any(fnmatch.fnmatch(k, p) for k in series for _, ps in PANELS for p in ps):
-        die(f"{path} holds none of the metrics to plot")
+        raise ValueError(f"{path} holds none of the metrics to plot")
     return series
 
 
@@ -255,8 +202,8 @@ def plot_run(*run_dirs, out=None, baselines=()):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        die("--plot needs matplotlib: pip install matplotlib")
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from e
     runs = [(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in run_dirs]
     fig, axes = plt.subplots(2, 5, figsize=(22, 6.8))  # one panel per PANELS entry
     for ax, (title, patterns) in zip(axes.flat, PANELS):
@@ -283,7 +230,7 @@ def plot_run(*run_dirs, out=None, baselines=()):
     return out
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plot", nargs="+", default=None, metavar="RUN_DIR", help="draw a run's curves into RUN_DIR/curves.png; "
                    "several runs: overlaid, into <first>/compare.png (or --out FILE.png)")
@@ -295,35 +242,40 @@ def main(argv=None):
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
     p.add_argument("--val-seed", type=int, default=None, help="first seed (RAGEN seed.val = 123)")
     p.add_argument("--samples", type=int, default=1, help="episodes per seed, for pass@k")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (RAGEN val: 0.5)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0; a run dir: its own)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     p.add_argument("--sample-seed", type=int, default=None, help="seed of the sampler's random draws (default 0; a run dir: its --seed)")
-    p.add_argument("--no-think", action="store_true", default=None, help="answer-only mode (enable_think=False)")
-    p.add_argument("--think", dest="no_think", action="store_false", help="thinking on, overriding a run's --no-think")
-    p.add_argument("--max-turns", type=int, default=None, help="default 5 or the preset's (Bandit 1, WebShop 9); a run dir: its own value")
-    p.add_argument("--max-actions-per-turn", type=int, default=None, help="default 5 or the preset's (Bandit, WebShop 1)")
-    p.add_argument("--max-actions-per-traj", type=int, default=None, help="default: the preset's")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response tokens per turn, default 400")
-    p.add_argument("--max-context", type=int, default=None, help="default 3600 (WebShop 15000)")
-    p.add_argument("--format-penalty", type=float, default=None, help="default -0.1")
-    p.add_argument("--no-kv-reuse", action="store_true", default=None, help="re-prefill every turn instead of extending the KV cache")
-    p.add_argument("--no-prefix-sharing", action="store_true", default=None, help="prefill every prompt in full, "
-                   "sharing no common prefix (same tokens up to rounding; a run dir: its own)")
-    p.add_argument("--max-context-window", type=int, default=None, help="show only the last k turns (default -1: all; a run dir: its own)")
-    p.add_argument("--context-window-mode", default=None, choices=["full", "limited_multi_turn", "single_turn"],
-                   help="how a window lays out the context (default full; a run dir: its own)")
+    agent.add_agent_flags(p.add_argument_group("agent loop (train.py's flags)"), defaults=DEFAULTS, from_run=True)
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")
     p.add_argument("--batch-size", type=int, default=128, help="episodes per rollout call (memory only)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>); with --plot: the PNG")
-    args = p.parse_args(argv)
-    if args.plot:
-        print(plot_run(*args.plot, out=args.out, baselines=args.baseline))
-    elif args.model is None:
-        die("give --model (or --plot RUN_DIR)")
-    else:
-        evaluate(args)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:  # bad input: one line and exit code 2
+        if args.plot:
+            print(plot_run(*args.plot, out=args.out, baselines=args.baseline))
+            return
+        if args.model is None:
+            raise ValueError("give --model (or --plot RUN_DIR)")
+        model_path, presets = resolve(args)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no GPU")
+        device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+        try:  # bf16 on GPU like train.py's rollout copy, fp32 on CPU
+            model, tok = load_model(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}") from e
+    except (ValueError, ImportError) as e:
+        print(f"eval.py: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.makedirs(args.out, exist_ok=True)
+    mode = "greedy" if args.greedy else f"T={args.temperature}"
+    print(f"{args.model} on {presets} | {args.num_seeds} seeds from {args.val_seed} x {args.samples} samples, {mode}, "
+          f"think={not args.no_think}, {args.max_new_tokens} tokens per turn | {device} -> {args.out}")
+    evaluate(model, tok, args, presets)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,19 @@ trained on exactly the token sequences it will later be shown and asked to conti
 cross-entropy of the tokens rollout marks as sampled (each turn's answer text and its stop token).
 Policies:
   random  valid actions drawn uniformly (teaches the format only)
-  solver  the env's own solver, re-planned every turn: Sokoban BFS, FrozenLake shortest path (slips ignored),
-          Countdown's exhaustive search, WebShop's oracle, Bandit's high arm
+  solver  the env's own solver (its file's solver_actions), re-planned every turn: Sokoban BFS, FrozenLake
+          shortest path (slips ignored), Countdown's exhaustive search, WebShop's oracle, Bandit's high arm
   mix     each turn the solver's moves with probability 1 - epsilon, random ones otherwise
 Each turn says at most the preset's max_actions_per_turn actions, within the episode's action budget. Think
 mode answers with the fixed thought THOUGHT below. The output directory holds the model and its tokenizer.
 """
 import argparse
+import copy
 import datetime
 import json
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -30,56 +32,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import env_bandit
-import env_countdown
-import env_frozenlake
-import env_sokoban
-import env_webshop
-import eval as eval_py
+import agent
 import rollout as rollout_py
+import starpo
 
 POLICIES = {"random": "valid actions drawn uniformly (format only)",
             "solver": "the env's solver (Sokoban BFS, FrozenLake shortest path, Countdown search, WebShop oracle, Bandit high arm)",
             "mix": "per turn: the solver with probability 1 - --epsilon, random otherwise"}
 THOUGHT = "Let me choose my next moves."  # think mode: the same short thought every turn
 CHUNK = 16  # episodes per rollout() call: rollout allocates a (never used) KV cache row per episode
+VALIDATION = range(123, 123 + 256)  # eval.py's default seeds (RAGEN's seed.val, 256 of them): no demonstration uses them
+RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_every"}  # flags --resume may change
 
 
 # ----------------------------------------------------------------------------- demonstration policies
-def random_actions(env, k, rng):
-    """k uniformly drawn valid actions (Countdown: a random expression; WebShop: one click or a search of 3 goal words)."""
-    if isinstance(env, env_countdown.CountdownEnv):
-        return [env_countdown.random_answer(env.nums, rng)]
-    if isinstance(env, env_webshop.WebShopEnv):  # as env_webshop.run_random; the page changes after every action
-        action = rng.choice(env.actions())
-        if action == "search[<content>]":
-            words = env_webshop.search_words(env.goal).split()
-            action = f"search[{' '.join(rng.sample(words, min(3, len(words))))}]"
-        return [action]
-    return [rng.choice(env.actions()) for _ in range(k)]
-
-
-def solver_actions(env, k):
-    """The first k moves of the env's solver from the current state; None when it has no plan."""
-    if isinstance(env, env_sokoban.SokobanEnv):
-        grid = env.render().split("Grid Map: \n")[-1]  # grid_coord renders coordinates above the grid
-        plan = env_sokoban.solve(grid, env.glyphs)
-    elif isinstance(env, env_frozenlake.FrozenLakeEnv):
-        plan = env_frozenlake.shortest_path(env.desc, env.pos)
-    elif isinstance(env, env_countdown.CountdownEnv):
-        answer = env_countdown.solve(env.nums, env.target)
-        plan = None if answer is None else [answer]
-    elif isinstance(env, env_webshop.WebShopEnv):
-        plan = [env_webshop.oracle_action(env)]
-    elif isinstance(env, env_bandit.BanditEnv):
-        plan = [env.hi_arm_name]
-    else:
-        raise ValueError(f"no solver for {type(env).__name__}")
-    return plan[:k] if plan else None
-
-
-def demo_responder(policy, epsilon, seeds, settings, seed):
-    """rollout's respond(b, env) for one batch of episodes: the answer text of episode b's next turn."""
+def demo_responder(policy, epsilon, seeds, settings, seed, module):
+    """rollout's respond(b, env) for one batch of episodes: the answer text of episode b's next turn, from the env
+    file `module`'s policies (solver_actions, random_actions)."""
     think, per_turn = settings["think"], settings["max_actions_per_turn"]
     left = [settings["preset"]["max_actions_per_traj"]] * len(seeds)     # actions each episode may still take
     rngs = [random.Random(seed * 1_000_003 + s) for s in seeds]         # per episode: a batch-independent draw
@@ -87,7 +56,7 @@ def demo_responder(policy, epsilon, seeds, settings, seed):
     def respond(b, env):
         k, rng = min(per_turn, left[b]), rngs[b]
         use_solver = policy == "solver" or (policy == "mix" and rng.random() >= epsilon)
-        actions = (solver_actions(env, k) if use_solver else None) or random_actions(env, k, rng)
+        actions = (module.solver_actions(env, k) if use_solver else None) or module.random_actions(env, k, rng)
         left[b] -= len(actions)
         answer = " || ".join(actions)
         return f" {THOUGHT} </think> <answer> {answer} </answer>" if think else f" {answer} </answer>"
@@ -97,14 +66,14 @@ def demo_responder(policy, epsilon, seeds, settings, seed):
 def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, seed):
     """Play the demonstrations of one preset through rollout(). Returns (rows, successes): one row per episode in
     rollout.pack_rows' layout (episode, token ids, answer flags, log-probs 0), and how many the env scored a success."""
-    cls = eval_py.ENV_CLASSES[preset_key][0]
+    cls, _, module = agent.ENV_CLASSES[preset_key]
     rows, wins = [], 0
     for i in range(0, len(seeds), CHUNK):
         chunk = seeds[i:i + CHUNK]
         envs = [cls(**settings["preset"]["kwargs"]) for _ in chunk]
-        respond = demo_responder(policy, epsilon, chunk, settings, seed)
+        respond = demo_responder(policy, epsilon, chunk, settings, seed, module)
         out = rollout_py.rollout(model, tok, envs, chunk, group_size=1, respond=respond, sampler=rollout_py.Sampler(),
-                                 split="train" if cls is env_webshop.WebShopEnv else None, **settings)
+                                 **settings)
         for r in range(len(chunk)):
             n = int(out["attention_mask"][r].sum())
             rows.append((i + r, out["tokens"][r, :n].tolist(), out["loss_mask"][r, :n].tolist(), [0.0] * n))
@@ -113,19 +82,162 @@ def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, see
 
 
 # ----------------------------------------------------------------------------- the loss
-def sft_loss(model, tokens, attention_mask, loss_mask):
+def sft_loss(model, tokens, attention_mask, loss_mask, share_prefix=False):
     """Summed cross-entropy of the loss-masked tokens given everything before them (the caller divides by the
     token count over all ranks, so that any number of ranks takes the same token mean). Only the positions that
-    predict a masked token go through lm_head (a [N, V] logit matrix instead of [B, T, V]). model is called as a
-    module (not through starpo.token_logprobs, which calls its submodules) so that DDP's wrapper syncs gradients."""
+    predict a masked token go through lm_head (a [N, V] logit matrix instead of [B, T, V]). share_prefix: the prefix
+    every row shares (the system message, the start of the first user message) runs once (starpo.last_hidden, two
+    model calls), the same loss and gradients up to fp32 rounding; off, model is called once as a module (not through
+    its submodules), which DDP's wrapper needs to sync gradients."""
     predicts = torch.zeros_like(loss_mask)                          # [B, T] position t predicts token t + 1
     predicts[:, :-1] = loss_mask[:, 1:]
-    logits = model(input_ids=tokens, attention_mask=attention_mask.long(), logits_to_keep=predicts).logits  # [N, V]
+    if share_prefix:
+        h = starpo.last_hidden(model, tokens, attention_mask.long(), share_prefix=True, logits_to_keep=1)  # [B, T, H]
+        logits = model.get_output_embeddings()(h[predicts])                                               # [N, V]
+    else:
+        logits = model(input_ids=tokens, attention_mask=attention_mask.long(), logits_to_keep=predicts).logits  # [N, V]
     return F.cross_entropy(logits.float(), tokens[:, 1:][loss_mask[:, 1:]], reduction="sum")
 
 
+def autocast(device):
+    """bf16 autocast on CUDA, fp32 on the CPU."""
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def heldout_loss(model, pad, rows, per_rank, rank, world, ddp):
+    """The token mean of the loss on the held-out demonstrations `rows`, without grad: each rank runs its share of
+    every batch of per_rank * world rows on the unwrapped model (no DDP collective inside), the sums are reduced."""
+    device = next(model.parameters()).device
+    total = torch.zeros(2, device=device)  # [summed loss, loss tokens]
+    with torch.no_grad(), autocast(device):
+        for i in range(rank * per_rank, len(rows), world * per_rank):
+            tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(rows[i:i + per_rank], pad)[:3])  # [B, T]
+            total += torch.stack([sft_loss(model, tokens, attn, mask, share_prefix=True).float(),
+                                  mask[:, 1:].sum().float()])
+    if ddp:
+        dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def export(model, tok, path, lora):
+    """model as a plain HF directory at `path` (fp32 weights, the LoRA adapter merged into a copy, the tokenizer
+    beside them), written as path.tmp/ and renamed: a killed run leaves no half-written directory."""
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (copy.deepcopy(model).merge_and_unload() if lora else model).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path, model, opt, gen, step, order, extra):
+    """<out>/ckpt.pt: the trainable weights, the optimizer, the step, the data-order generator and the not-yet-used
+    order, and `extra` (args, seconds, losses); written to ckpt.pt.tmp, synced, then renamed over ckpt.pt."""
+    state = dict(model={n: q.detach().cpu() for n, q in model.named_parameters() if q.requires_grad},
+                 optimizer=opt.state_dict(), step=step, generator=gen.get_state(), order=order, **extra)
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def read_checkpoint(path, args):
+    """ckpt.pt, refused (ValueError) if it was written with other flags than `args`, those that --resume may change
+    (RESUMABLE) aside."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    for k, v in ckpt["args"].items():
+        if k not in RESUMABLE and getattr(args, k, None) != v:
+            raise ValueError(f"--resume: {path} was written with --{k.replace('_', '-')} {v}, not {getattr(args, k, None)}")
+    return ckpt
+
+
+def write_metrics(path, lines):
+    """sft_metrics.jsonl holding exactly `lines` (dicts), replaced whole."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    os.replace(path + ".tmp", path)
+
+
+def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, world, say):
+    """`steps` AdamW steps of --batch-size demonstrations (rows), each rank its share, on model (on its device, in
+    train mode), from checkpoint `ckpt` (a dict, or None: from step 0). Every --eval-every steps, at step 0 and at
+    the end: the loss on the held-out demonstrations, a line in <out_dir>/sft_metrics.jsonl; every --save-every steps
+    and at the end: <out_dir>/step<N>/ and ckpt.pt. Returns the last step's loss (the token mean over all ranks)."""
+    device, pad = next(model.parameters()).device, tok.pad_token_id or 0
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    gen = torch.Generator().manual_seed(args.seed)  # the same order on every rank
+    order, start, seconds, loss, recent = [], 0, 0.0, float("nan"), []  # recent: step losses since the last line
+    metrics_path, ckpt_path = os.path.join(out_dir, "sft_metrics.jsonl"), os.path.join(out_dir, "ckpt.pt")
+    lines = []
+    if ckpt is not None:
+        with torch.no_grad():
+            for n, q in model.named_parameters():
+                if q.requires_grad:
+                    q.copy_(ckpt["model"][n])
+        opt.load_state_dict(ckpt["optimizer"])
+        gen.set_state(ckpt["generator"])
+        order, start, seconds, loss, recent = ckpt["order"], ckpt["step"], ckpt["seconds"], ckpt["loss"], ckpt["recent"]
+        if rank == 0 and os.path.exists(metrics_path):  # the lines written after the checkpoint are written again
+            for text in open(metrics_path):
+                try:
+                    m = json.loads(text)
+                except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+                    continue
+                lines += [m] if m["step"] <= start else []
+    say(f"training {sum(q.numel() for q in params) / 1e6:.1f}M of {sum(q.numel() for q in model.parameters()) / 1e6:.1f}M "
+        f"weights: {steps} steps of {args.batch_size} episodes, lr {args.lr}, {world} rank(s)"
+        + (f"; resuming from step {start}" if ckpt is not None else ""))
+    t0 = time.perf_counter() - seconds
+
+    def log(step):  # the held-out loss and a metrics line (train loss: the mean over the steps since the last line)
+        h = heldout_loss(model, pad, heldout, args.batch_size // world, rank, world, ddp) if heldout else None
+        lines.append(dict(step=step, train_loss=sum(recent) / len(recent) if recent else None, heldout_loss=h,
+                          demos_seen=step * args.batch_size, seconds=round(time.perf_counter() - t0, 1)))
+        recent.clear()
+        if rank == 0:
+            write_metrics(metrics_path, lines)
+        if h is not None:
+            say(f"held-out loss {h:.4f} at step {step} ({step * args.batch_size} demonstrations seen)")
+    if rank == 0:
+        write_metrics(metrics_path, lines)
+    if ckpt is None:
+        log(0)
+    for step in range(start, steps):
+        while len(order) < args.batch_size:  # epochs back to back, each a fresh permutation
+            order += torch.randperm(len(rows), generator=gen).tolist()
+        batch, order = order[:args.batch_size], order[args.batch_size:]
+        mine = [rows[i] for i in batch[rank::world]]
+        tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(mine, pad)[:3])  # [B, T] each
+        n = mask[:, 1:].sum().float()  # this rank's loss tokens; the mean is over every rank's
+        if ddp:
+            dist.all_reduce(n)
+        with autocast(device):  # DDP syncs gradients through its wrapper's one call: the plain forward
+            loss = sft_loss(net, tokens, attn, mask, share_prefix=not ddp) / n.clamp(min=1)
+        (loss * world).backward()  # DDP averages the ranks' gradients; the sum over ranks is the global mean
+        norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if ddp:  # each rank holds its share of the global token mean
+            dist.all_reduce(loss)
+        loss = loss.item()
+        recent.append(loss)
+        say(f"step {step + 1}/{steps}  loss {loss:.4f}  grad-norm {norm.item():.3f}  {time.perf_counter() - t0:.0f} s")
+        done = step + 1
+        if (args.eval_every and done % args.eval_every == 0) or done == steps:
+            log(done)
+        if args.save_every and (done % args.save_every == 0 or done == steps) and rank == 0:
+            export(model, tok, os.path.join(out_dir, f"step{done}"), args.lora_rank)  # first: ckpt.pt says it is whole
+            save_checkpoint(ckpt_path, model, opt, gen, done, order, dict(
+                args=vars(args), seconds=time.perf_counter() - t0, loss=loss, recent=list(recent)))
+    return loss
+
+
 # ----------------------------------------------------------------------------- the script
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="policies:\n" + "\n".join(f"  {k:7} {v}" for k, v in POLICIES.items()))
@@ -135,10 +247,11 @@ def main(argv=None):
     p.add_argument("--epsilon", type=float, default=0.5, help="mix: probability that a turn is played at random")
     p.add_argument("--episodes", type=int, default=128, help="demonstration episodes per preset")
     p.add_argument("--seed", type=int, default=10000, help="first env seed of the demonstrations (validation uses 123...)")
-    p.add_argument("--no-think", action="store_true", help="answer-only turns (as train.py / eval.py --no-think)")
-    p.add_argument("--max-turns", type=int, default=None, help="turns per episode (default: the preset's, else 5)")
-    p.add_argument("--max-actions-per-turn", type=int, default=None, help="actions per turn (default: the preset's, else 5)")
-    p.add_argument("--max-actions-per-traj", type=int, default=None, help="action budget per episode (default: the preset's)")
+    p.add_argument("--heldout", type=int, default=64, help="held-out demonstrations per preset, their loss logged (0 = none)")
+    p.add_argument("--heldout-seed", type=int, default=5000, help="their first env seed (disjoint from the training "
+                   "and validation seeds)")
+    agent.add_agent_flags(p.add_argument_group("agent loop (as train.py's: the demonstrations are laid out as its "
+                                               "rollouts)"), sampling=False)
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the demonstrations (ignored with --steps)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
     p.add_argument("--batch-size", type=int, default=4, help="episodes per optimizer step, over all ranks")
@@ -150,66 +263,56 @@ def main(argv=None):
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft, base weights frozen, merged into the "
                    "saved model (0 = no LoRA; RAGEN: 64)")
     p.add_argument("--lora-alpha", type=float, default=64, help="LoRA alpha; the update is scaled by alpha / rank")
+    p.add_argument("--eval-every", type=int, default=25, help="held-out loss every K steps, and at step 0 and the end "
+                   "(0 = only those)")
+    p.add_argument("--save-every", type=int, default=0, help="every K steps and at the end: <out>/step<K>/ (HF) and "
+                   "<out>/ckpt.pt (0 = neither, only the final model)")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt (from step 0 if there is none), "
+                   "with the same flags")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--out", default=None, help="output HF directory (default runs/sft-<preset>-<policy>-<time>)")
-    args = p.parse_args(argv)
+    return p
 
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
 
-    def die(msg):  # every rank sees the same args, so every rank stops with the same one-line error
-        if rank == 0:
-            print(f"sft.py: {msg}", file=sys.stderr)
-        sys.exit(2)
-
+def check_args(args, world):
+    """The presets of --env, the flags checked: a ValueError says what cannot run."""
     if not 0 <= args.epsilon <= 1:
-        die(f"--epsilon {args.epsilon}: need 0 <= epsilon <= 1")
+        raise ValueError(f"--epsilon {args.epsilon}: need 0 <= epsilon <= 1")
     if args.episodes < 1 or args.batch_size < 1 or args.lr <= 0 or args.epochs <= 0 or (args.steps is not None and args.steps < 1):
-        die("--episodes, --batch-size, --lr, --epochs and --steps must be positive")
+        raise ValueError("--episodes, --batch-size, --lr, --epochs and --steps must be positive")
     if args.batch_size % world:
-        die(f"--batch-size {args.batch_size} must divide over {world} ranks")
+        raise ValueError(f"--batch-size {args.batch_size} must divide over {world} ranks")
     if args.train_layers < 0 or args.lora_rank < 0:
-        die("--train-layers and --lora-rank must be >= 0")
+        raise ValueError("--train-layers and --lora-rank must be >= 0")
     if args.train_layers and args.lora_rank:
-        die("--train-layers and --lora-rank are two ways to train part of the model; give one")
-    try:
-        presets = [eval_py.preset_name(e) for e in args.env]
-    except ValueError as e:
-        die(str(e))
+        raise ValueError("--train-layers and --lora-rank are two ways to train part of the model; give one")
+    if args.heldout < 0 or args.eval_every < 0 or args.save_every < 0:
+        raise ValueError("--heldout, --eval-every and --save-every must be >= 0")
+    train_seeds, held = range(args.seed, args.seed + args.episodes), range(args.heldout_seed, args.heldout_seed + args.heldout)
+    for name, other in (("training", train_seeds), ("validation", VALIDATION)):
+        if held and max(held.start, other.start) < min(held.stop, other.stop):
+            raise ValueError(f"held-out seeds {held.start}..{held.stop - 1} overlap the {name} seeds "
+                             f"{other.start}..{other.stop - 1}: move --heldout-seed")
+    if args.resume and args.out is None:
+        raise ValueError("--resume needs --out, the directory of the run to continue")
+    if args.out and not args.resume and os.path.exists(os.path.join(args.out, "ckpt.pt")):
+        raise ValueError(f"{args.out} holds a run (ckpt.pt): continue it with --resume, or give another --out")
+    presets = [agent.preset_name(e) for e in args.env]
     if len(set(presets)) < len(presets):
-        die("a preset appears twice in --env")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if ddp:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    out_dir = args.out or os.path.join("runs", f"sft-{presets[0]}-{args.policy}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-    try:
-        model, tok = rollout_py.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
-    except (ValueError, FileNotFoundError, OSError) as e:
-        die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
-
-    # demonstrations: every rank renders all of them (no model call, deterministic) and trains on its share
-    flags = dict(eval_py.DEFAULTS, no_think=args.no_think, max_turns=args.max_turns, max_context=None,
-                 max_actions_per_turn=args.max_actions_per_turn, max_actions_per_traj=args.max_actions_per_traj)
-    rows, t0 = [], time.perf_counter()
+        raise ValueError("a preset appears twice in --env")
     for key in presets:
-        settings = eval_py.agent_settings(key, flags)
-        seeds = list(range(args.seed, args.seed + args.episodes))
-        got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
-        rows += got
-        say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings['max_turns']} "
-            f"turns x {settings['max_actions_per_turn']} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "
-            f"{sum(sum(flags) for _, _, flags, _ in got) / len(got):.0f} answer tokens / episode")
-    say(f"rendered {len(rows)} episodes in {time.perf_counter() - t0:.1f} s")
+        module = agent.ENV_CLASSES[key][2]
+        if not (hasattr(module, "solver_actions") and hasattr(module, "random_actions")):
+            raise ValueError(f"{module.__name__}.py defines no solver_actions and random_actions: no policy plays {key}")
+    return presets
 
+
+def trainable(model, args):
+    """The model with the weights --train-layers or --lora-rank leave trainable (all of them without either)."""
     if args.train_layers:
         layers = model.model.layers
         if args.train_layers > len(layers):
-            die(f"--train-layers {args.train_layers}: the model has {len(layers)} layers")
+            raise ValueError(f"--train-layers {args.train_layers}: the model has {len(layers)} layers")
         model.requires_grad_(False)
         for m in list(layers[-args.train_layers:]) + [model.model.norm]:
             m.requires_grad_(True)
@@ -217,43 +320,73 @@ def main(argv=None):
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                  target_modules="all-linear"))
-    model.to(device).train()
-    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return model
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    def die(e):  # every rank sees the same args, so every rank stops with the same one-line error
+        if rank == 0:
+            print(f"sft.py: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        presets = check_args(args, world)
+    except ValueError as e:
+        die(e)
+    try:
+        model, tok = rollout_py.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
+    except (ValueError, FileNotFoundError, OSError) as e:
+        die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if ddp:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    out_dir = args.out or os.path.join("runs", f"sft-{presets[0]}-{args.policy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    ckpt = None
+    if args.resume and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        try:
+            ckpt = read_checkpoint(os.path.join(out_dir, "ckpt.pt"), args)
+        except ValueError as e:
+            die(e)
+    elif args.resume:
+        say(f"no {out_dir}/ckpt.pt yet: starting at step 0")
+
+    # demonstrations: every rank renders all of them (no model call, deterministic) and trains on its share
+    rows, heldout, t0 = [], [], time.perf_counter()
+    for key in presets:
+        settings = agent.agent_settings(key, dict(vars(args), sample_seed=0))
+        seeds = list(range(args.seed, args.seed + args.episodes))
+        got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
+        rows += got
+        say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings['max_turns']} "
+            f"turns x {settings['max_actions_per_turn']} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "
+            f"{sum(sum(flags) for _, _, flags, _ in got) / len(got):.0f} answer tokens / episode")
+        if args.heldout:
+            seeds = list(range(args.heldout_seed, args.heldout_seed + args.heldout))
+            got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
+            heldout += got
+            say(f"{key}: {len(got)} held-out demonstrations (seeds {seeds[0]}..{seeds[-1]}), success {wins}/{len(got)}")
+    say(f"rendered {len(rows) + len(heldout)} episodes in {time.perf_counter() - t0:.1f} s")
+    try:
+        model = trainable(model, args)
+    except ValueError as e:
+        die(e)
     steps = args.steps or max(1, round(args.epochs * len(rows) / args.batch_size))
-    say(f"training {sum(q.numel() for q in params) / 1e6:.1f}M of {sum(q.numel() for q in model.parameters()) / 1e6:.1f}M "
-        f"weights: {steps} steps of {args.batch_size} episodes, lr {args.lr}, {world} rank(s)")
-
-    gen = torch.Generator().manual_seed(args.seed)  # the same order on every rank
-    order, pad = [], tok.pad_token_id if tok.pad_token_id is not None else 0
-    t0 = time.perf_counter()
-    for step in range(steps):
-        while len(order) < args.batch_size:  # epochs back to back, each a fresh permutation
-            order += torch.randperm(len(rows), generator=gen).tolist()
-        batch, order = order[:args.batch_size], order[args.batch_size:]
-        mine = [rows[i] for i in batch[rank::world]]
-        tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(mine, pad)[:3])  # [B, T] each
-        n = mask[:, 1:].sum().float()  # this rank's loss tokens; the mean is over every rank's
-        if ddp:
-            dist.all_reduce(n)
-        with (torch.autocast("cuda", torch.bfloat16) if use_cuda else torch.autocast("cpu", enabled=False)):
-            loss = sft_loss(net, tokens, attn, mask) / n.clamp(min=1)
-        (loss * world).backward()  # DDP averages the ranks' gradients; the sum over ranks is the global mean
-        norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        if ddp:  # each rank holds its share of the global token mean
-            dist.all_reduce(loss)
-        say(f"step {step + 1}/{steps}  loss {loss.item():.4f}  grad-norm {norm.item():.3f}  {time.perf_counter() - t0:.0f} s")
-
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    loss = train(model.to(device).train(), tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, world, say)
     if rank == 0:  # a plain HF directory: the adapter merged in, fp32 weights, the tokenizer beside them
-        export = model.merge_and_unload() if args.lora_rank else model
-        export.float().eval().save_pretrained(out_dir)
+        final = model.merge_and_unload() if args.lora_rank else model
+        final.float().eval().save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "sft.json"), "w") as f:  # not args.json: eval.py reads that as a train.py run
-            json.dump(dict(vars(args), presets=presets, steps=steps, world=world, final_loss=loss.item()), f, indent=1)
+            json.dump(dict(vars(args), presets=presets, steps=steps, world=world, final_loss=loss), f, indent=1)
         say(f"saved {out_dir}  (eval.py --model {out_dir} --env {' '.join(presets)})")
     if ddp:  # the ranks leave together: a gloo rank that tears down while rank 0 is still writing can hang at exit
         dist.barrier()

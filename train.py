@@ -17,22 +17,27 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+import agent
 import checkpoint
 import collapse
-import eval as eval_py  # the env presets and the agent settings, shared with evaluation
 import fsdp
 import memplan
 import ranks
-import rollout as rollout_py  # sampler_settings; the function rollout() is imported below
+import rollout as rollout_py
 import starpo
-from rollout import load_model, rollout
 
-# ----------------------------------------------------------------------------- CLI
+DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
+        "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
+        "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
+
+
+# ----------------------------------------------------------------------------- flags
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help: the docstring as written, each flag with its default (a None default: the help says it)."""
 
@@ -40,154 +45,137 @@ class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
-# --help lists the groups in this order: the flags most runs set first, the rest by topic
-common = p.add_argument_group("common flags")
-groups = {t: p.add_argument_group(t) for t in ("environment and agent loop", "model", "batch sizes", "algorithm",
-                                               "optimisation", "validation", "run")}
-ragen2 = p.add_argument_group("RAGEN-2 and variants: context windows, filters, turn-level rewards, stops")
-debug = p.add_argument_group("debugging and testing: reference paths that sample the same tokens, slower")
-g = groups["environment and agent loop"]
-common.add_argument("--env", nargs="+", default=["sokoban"], help="short name (bandit, sokoban, frozenlake, webshop, countdown) or "
-               "any preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. SimpleSokoban:4 FrozenLake:4")
-g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
-g.add_argument("--max-turns", type=int, default=None, help="turns per episode (agent_proxy.max_turn; default 5, or the preset's: Bandit 1, WebShop 9)")
-g.add_argument("--max-actions-per-turn", type=int, default=None, help="actions kept per turn (default 5, or the preset's: Bandit and WebShop 1)")
-g.add_argument("--max-actions-per-traj", type=int, default=None, help="action budget per episode (default: the preset's, 10 for Sokoban)")
-g.add_argument("--max-new-tokens", type=int, default=400, help="response tokens per turn (rollout.response_length)")
-g.add_argument("--max-context", type=int, default=None, help="longest conversation in tokens, longer episodes end as truncated (default 3600, WebShop 15000)")
-g.add_argument("--no-think", action="store_true", help="answer-only mode: force <answer> instead of <think> (enable_think=False)")
-g.add_argument("--format-penalty", type=float, default=-0.1, help="added to the score once per malformed turn")
-debug.add_argument("--no-kv-reuse", action="store_true", help="re-prefill the whole conversation every turn (reference path)")
-debug.add_argument("--measure-activations", action="store_true", help="log perf/actor_saved_activations_mb: the "
-                   "bytes autograd holds for backward in an actor micro-batch (memplan.saved_bytes: a hook on every saved tensor)")
-debug.add_argument("--no-prefix-sharing", action="store_true", help="compute every row's prompt in full, also the prefixes rows "
-               "share (reference path): in the rollout's prefill (train/<env>/prefill_saved counts what sharing saves) "
-               "and in the old log-prob, value and update passes")
-g.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (also used for log-probs)")
-g.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
-ragen2.add_argument("--context-window-mode", default="full", choices=["full", "limited_multi_turn", "single_turn"],
-               help="full: one training row per episode; limited_multi_turn / single_turn: one row per turn (RAGEN-2)")
-ragen2.add_argument("--max-context-window", type=int, default=-1, help="show only the last k turns in the prompt (-1 = all)")
-g = groups["model"]
-common.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
-common.add_argument("--device", default="auto", help="auto | cpu | cuda")
-g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype of forwards and rollouts "
-               "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce), fp32 on CPU")
-g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
-               "= fixed-shape KV pool, compiled = static + torch.compile'd decode step (CUDA graphs on GPU); auto = compiled "
-               "on CUDA, eager on CPU. All of them sample the same tokens")
-g.add_argument("--plan", type=int, nargs="?", const=0, default=None, metavar="RANKS", help="print the expected peak memory "
-               "per rank by part for these flags on RANKS ranks (default: this launch's), then exit; reads the model's "
-               "config only")
-g.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per rank the plan must fit in (default: the CUDA "
-               "device's; --plan off a GPU: 80, an H100); given, it is checked on any device")
-g.add_argument("--force", action="store_true", help="start even when the memory plan does not fit the device")
-g.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory in the updates")
-g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft on the actor and the critic trunk, base weights "
-               "frozen (0 = full fine-tuning; RAGEN base-lora.yaml: 64, with lr x10)")
-g.add_argument("--lora-alpha", type=float, default=64, help="LoRA alpha; the update is scaled by alpha / rank (RAGEN: 64)")
-g.add_argument("--lora-target", default="all-linear", help="peft target_modules: all-linear (every Linear but lm_head) or "
-               "comma-separated names, e.g. q_proj,v_proj")
-g.add_argument("--save-adapter", action="store_true", help="with --lora-rank, also write the adapter alone (peft format) to <out>/hf/adapter")
-g = groups["batch sizes"]
-common.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
-common.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
-common.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
-               "(StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, min_p this fraction of the best")
-ragen2.add_argument("--filter-type", default="std", choices=["std", "std_rev"],
-               help="keep the groups with the largest (std) or smallest (std_rev) statistic (RAGEN-2: largest / smallest)")
-ragen2.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
-ragen2.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
-               help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of the "
-               "trajectories' mean token entropy, mean response length")
-ragen2.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"], help="top_p: score-sum rule or softmax mass")
-ragen2.add_argument("--filter-drop-zero", action="store_true", help="drop groups whose statistic is 0 before ranking (include_zero=False)")
-ragen2.add_argument("--filter-eps", type=float, default=0.01, help="linear top_p threshold = value * sum - eps")
-ragen2.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"], help="advantages x kept group fraction (or its sqrt)")
-ragen2.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"], help="make a varying kept row count a multiple "
-               "of the mini-batch size: duplicate or drop random rows")
-ragen2.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this many steps in a row with nothing to train (0 = never)")
-common.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
-g.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
-g.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
-g = groups["algorithm"]
-common.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
-               help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
-               "group mean, rloo = minus the mean of the others, reinforce_pp(_baseline) = REINFORCE++ (veRL)")
-g.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
-g.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
-g.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher, DAPO)")
-g.add_argument("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages (0 = off)")
-g.add_argument("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
-               help="default token-mean; seq-mean-token-sum for drgrpo")
-g.add_argument("--entropy-coef", type=float, default=0.001, help="entropy bonus")
-g.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the reference model (0 = no reference model)")
-g.add_argument("--kl-type", default="kl", choices=["kl", "abs", "mse", "low_var_kl"], help="k1 / |k1| / k2 / k3")
-g.add_argument("--gamma", type=float, default=1.0, help="GAE discount over action tokens")
-g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-ragen2.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
-ragen2.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
-ragen2.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
-g.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"], help="score normalisation (default: identity for ppo, mean_std for grpo)")
-ragen2.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"],
-               help="which scores are normalised together: a group (same initial state), the whole batch, or one env tag (inductive)")
-g.add_argument("--value-clip", type=float, default=0.5, help="critic value clipping")
-g.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"], help="old log-probs from a forward before the update (RAGEN) or from the sampler")
-g = groups["optimisation"]
-common.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
-common.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
-g.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
-g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
-g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
-g = groups["validation"]
-g.add_argument("--val-every", type=int, default=10, help="validate every N steps, before training and at the end (0 = never)")
-g.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
-g.add_argument("--val-temperature", type=float, default=0.5, help="validation sampling temperature (RAGEN val_kwargs)")
-g.add_argument("--val-seed", type=int, default=123, help="first validation seed (RAGEN seed.val)")
-ragen2.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never; "
-               "off when a context window cuts episodes into rows)")
-g = groups["run"]
-DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
-        "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
-        "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
-g.add_argument("--demo", action="store_true", help=f"the offline CPU demo (README): {DEMO}; flags given with it override these")
-g.add_argument("--seed", type=int, default=10000, help="first train env seed; step s uses seed + s*num_groups + g")
-common.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
-common.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
-g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
-g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
-g.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
-g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective (rank 0 "
-               "writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
-ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
-               "of the first 10), or validation success under 1%% 5 times in a row")
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
+    # --help lists the groups in this order: the flags most runs set first, the rest by topic
+    common = p.add_argument_group("common flags")
+    groups = {t: p.add_argument_group(t) for t in ("environment and agent loop", "model", "batch sizes", "algorithm",
+                                                   "optimisation", "validation", "run")}
+    ragen2 = p.add_argument_group("RAGEN-2 and variants: context windows, filters, turn-level rewards, stops")
+    debug = p.add_argument_group("debugging and testing: reference paths that sample the same tokens, slower")
+    g = groups["environment and agent loop"]
+    common.add_argument("--env", nargs="+", default=["sokoban"], help=f"short name ({', '.join(agent.SHORT_NAMES)}) or any "
+                        "preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. SimpleSokoban:4 FrozenLake:4")
+    g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
+    agent.add_agent_flags(g)  # turns, actions, tokens, think, penalty, window, sampling: shared with eval.py and sft.py
+    debug.add_argument("--measure-activations", action="store_true", help="log perf/actor_saved_activations_mb: the "
+                       "bytes autograd holds for backward in an actor micro-batch (memplan.saved_bytes: a hook on every saved tensor)")
+    g = groups["model"]
+    common.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
+    common.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype of forwards and rollouts "
+                   "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce), fp32 on CPU")
+    g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
+                   "= fixed-shape KV pool, compiled = static + torch.compile'd decode step (CUDA graphs on GPU); auto = compiled "
+                   "on CUDA, eager on CPU. All of them sample the same tokens")
+    g.add_argument("--plan", type=int, nargs="?", const=0, default=None, metavar="RANKS", help="print the expected peak memory "
+                   "per rank by part for these flags on RANKS ranks (default: this launch's), then exit; reads the model's "
+                   "config only")
+    g.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per rank the plan must fit in (default: the CUDA "
+                   "device's; --plan off a GPU: 80, an H100); given, it is checked on any device")
+    g.add_argument("--force", action="store_true", help="start even when the memory plan does not fit the device")
+    g.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory in the updates")
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft on the actor and the critic trunk, base weights "
+                   "frozen (0 = full fine-tuning; RAGEN base-lora.yaml: 64, with lr x10)")
+    g.add_argument("--lora-alpha", type=float, default=64, help="LoRA alpha; the update is scaled by alpha / rank (RAGEN: 64)")
+    g.add_argument("--lora-target", default="all-linear", help="peft target_modules: all-linear (every Linear but lm_head) or "
+                   "comma-separated names, e.g. q_proj,v_proj")
+    g.add_argument("--save-adapter", action="store_true", help="with --lora-rank, also write the adapter alone (peft format) to <out>/hf/adapter")
+    add_algorithm_flags(common, groups["batch sizes"], groups["algorithm"], ragen2)
+    add_run_flags(common, groups, ragen2)
+    return p
 
 
-# ----------------------------------------------------------------------------- arguments
-ddp = int(os.environ.get("RANK", -1)) != -1
-rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-master = rank == 0
+def add_algorithm_flags(common, batch, g, ragen2):
+    """The batch sizes, the filter, the advantage and the losses."""
+    common.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
+    common.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
+    common.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
+                        "(StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, min_p this fraction of the best")
+    ragen2.add_argument("--filter-type", default="std", choices=["std", "std_rev"],
+                        help="keep the groups with the largest (std) or smallest (std_rev) statistic (RAGEN-2: largest / smallest)")
+    ragen2.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
+    ragen2.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
+                        help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of the "
+                        "trajectories' mean token entropy, mean response length")
+    ragen2.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"], help="top_p: score-sum rule or softmax mass")
+    ragen2.add_argument("--filter-drop-zero", action="store_true", help="drop groups whose statistic is 0 before ranking (include_zero=False)")
+    ragen2.add_argument("--filter-eps", type=float, default=0.01, help="linear top_p threshold = value * sum - eps")
+    ragen2.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"], help="advantages x kept group fraction (or its sqrt)")
+    ragen2.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"], help="make a varying kept row count a multiple "
+                        "of the mini-batch size: duplicate or drop random rows")
+    ragen2.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this many steps in a row with nothing to train (0 = never)")
+    common.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
+    batch.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
+    batch.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
+    common.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+                        help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
+                        "group mean, rloo = minus the mean of the others, reinforce_pp(_baseline) = REINFORCE++ (veRL)")
+    g.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
+    g.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
+    g.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher, DAPO)")
+    g.add_argument("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages (0 = off)")
+    g.add_argument("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+                   help="default token-mean; seq-mean-token-sum for drgrpo")
+    g.add_argument("--entropy-coef", type=float, default=0.001, help="entropy bonus")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the reference model (0 = no reference model)")
+    g.add_argument("--kl-type", default="kl", choices=["kl", "abs", "mse", "low_var_kl"], help="k1 / |k1| / k2 / k3")
+    g.add_argument("--gamma", type=float, default=1.0, help="GAE discount over action tokens")
+    g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+    ragen2.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
+    ragen2.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
+    ragen2.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
+    g.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"], help="score normalisation (default: identity for ppo, mean_std for grpo)")
+    ragen2.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"],
+                        help="which scores are normalised together: a group (same initial state), the whole batch, or one env tag (inductive)")
+    g.add_argument("--value-clip", type=float, default=0.5, help="critic value clipping")
+    g.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"], help="old log-probs from a forward before the update (RAGEN) or from the sampler")
 
 
-def print0(*a):
-    if master:
-        print(*a, flush=True)
+def add_run_flags(common, groups, ragen2):
+    """Optimisation, validation, and the run: its length, directory, logging, resume."""
+    g = groups["optimisation"]
+    common.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
+    common.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
+    g.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
+    g = groups["validation"]
+    g.add_argument("--val-every", type=int, default=10, help="validate every N steps, before training and at the end (0 = never)")
+    g.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
+    g.add_argument("--val-temperature", type=float, default=0.5, help="validation sampling temperature (RAGEN val_kwargs)")
+    g.add_argument("--val-seed", type=int, default=123, help="first validation seed (RAGEN seed.val)")
+    ragen2.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never; "
+                        "off when a context window cuts episodes into rows)")
+    g = groups["run"]
+    g.add_argument("--demo", action="store_true", help=f"the offline CPU demo (README): {DEMO}; flags given with it override these")
+    g.add_argument("--seed", type=int, default=10000, help="first train env seed; step s uses seed + s*num_groups + g")
+    common.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
+    common.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
+    g.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
+    g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective (rank 0 "
+                   "writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
+    ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
+                        "of the first 10), or validation success under 1%% 5 times in a row")
 
 
-def die(msg):  # every rank sees the same args, so every rank stops with the same one-line error
-    print0(f"train.py: {msg}")
-    sys.exit(2)
-
-
-def resolve_args(argv, world):
+def parse_args(argv, world=1):
     """The command line (after --demo's flags) with the defaults that depend on other flags filled in, checked: a
-    combination that cannot run stops here with one line. world: the ranks of this launch; --plan RANKS plans
-    another. Returns (args, world, the row multiple the kept rows are adjusted to, whether a context window cuts
-    episodes into rows, what the filter keeps in words)."""
+    ValueError says in one line why a combination cannot run. world: the ranks of this launch; --plan RANKS plans
+    another. Returns (args, the ranks the checks were made for, what the filter keeps in words)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.demo:  # the preset first, the command line after it: for a flag given twice argparse keeps the last
         args = p.parse_args(DEMO.split() + argv)
+    resolve_args(args)
+    world = args.plan or world  # --plan: the checks below are the planned launch's, and nothing after the plan runs
+    return args, world, check_batch_sizes(args, world)
+
+
+def resolve_args(args):
+    """Fill in the defaults that depend on other flags, in place, and refuse the combinations that cannot run."""
     if args.vanilla:  # RAGEN train_all.sh USE_BASE: no filter, symmetric clip, KL loss 0.001 (k1)
         args.filter_ratio, args.clip_high, args.kl_coef = 1.0, 0.2, 0.001
     if args.reward_norm is None:  # real GRPO needs mean_std state normalisation (RAGEN's grpo setting)
@@ -198,182 +186,179 @@ def resolve_args(argv, world):
     # defaults below, shared by all (RAGEN: one agent_proxy for every tag)
     mix = [e.rsplit(":", 1) if ":" in e else [e, ""] for e in args.env]
     if any(not (n.isdigit() and int(n) > 0) for _, n in mix if n or len(mix) > 1):
-        sys.exit("train.py: to mix presets give each a positive group count, e.g. --env SimpleSokoban:4 FrozenLake:4")
-    args.env_mix = [[eval_py.preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
+        raise ValueError("to mix presets give each a positive group count, e.g. --env SimpleSokoban:4 FrozenLake:4")
+    args.env_mix = [[agent.preset_name(e), int(n) if n else args.num_groups] for e, n in mix]
     if len({e for e, _ in args.env_mix}) < len(args.env_mix):
-        sys.exit("train.py: a preset appears twice in --env")
+        raise ValueError("a preset appears twice in --env")
     args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
-    for key, default in eval_py.AGENT_DEFAULTS.items():  # RAGEN's per-env configs
+    for key, default in agent.AGENT_DEFAULTS.items():  # RAGEN's per-env configs
         if getattr(args, key) is None:
-            setattr(args, key, eval_py.ENV_CLASSES[args.env][1].get(key, default))
+            setattr(args, key, agent.ENV_CLASSES[args.env][1].get(key, default))
     if args.val_env is None:
         args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
-    args.val_env = [eval_py.preset_name(v) for v in args.val_env]
+    args.val_env = [agent.preset_name(v) for v in args.val_env]
     if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
-        sys.exit("train.py: --bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
-    windowed = args.context_window_mode != "full" or args.max_context_window > 0  # rows no longer hold whole episodes
+        raise ValueError("--bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
     if args.max_context_window == 0 or args.max_context_window < -1:
-        sys.exit("train.py: --max-context-window is -1 (all turns) or k >= 1")
-    if windowed and (args.turn_rewards or args.bi_level_gae):
-        sys.exit("train.py: --turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, no --max-context-window")
+        raise ValueError("--max-context-window is -1 (all turns) or k >= 1")
+    if windowed(args) and (args.turn_rewards or args.bi_level_gae):
+        raise ValueError("--turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, no --max-context-window")
     if args.context_window_mode == "full" and args.max_context_window > 0 and args.old_logp == "sampler":
-        sys.exit("train.py: with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
+        raise ValueError("with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
     if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
-        sys.exit(f"train.py: --algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
+        raise ValueError(f"--algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
     if args.plan is not None and args.plan < 0:
-        sys.exit(f"train.py: --plan {args.plan}: the number of ranks to plan for is >= 1 (bare --plan: this launch's)")
+        raise ValueError(f"--plan {args.plan}: the number of ranks to plan for is >= 1 (bare --plan: this launch's)")
     if args.lora_rank < 0:
-        sys.exit("train.py: --lora-rank must be >= 0")
+        raise ValueError("--lora-rank must be >= 0")
     if args.ppo_epochs < 1:  # the first epoch's first mini-batch also gives its rows' old log-probs
-        sys.exit("train.py: --ppo-epochs must be >= 1")
+        raise ValueError("--ppo-epochs must be >= 1")
     if args.lora_rank and "lm_head" in args.lora_target.split(","):  # starpo's log-probs multiply by lm_head's weight
-        sys.exit("train.py: --lora-target lm_head: the log-prob passes use lm_head's weight directly and would skip "
-                 "its adapter; adapt the other Linear layers (all-linear leaves lm_head out too)")
-    world = args.plan or world  # --plan: the checks below are the planned launch's, and nothing after the plan runs
-    # derived batch sizes, checked up front (RAGEN train.py asserts the same things)
+        raise ValueError("--lora-target lm_head: the log-prob passes use lm_head's weight directly and would skip "
+                         "its adapter; adapt the other Linear layers (all-linear leaves lm_head out too)")
+
+
+def windowed(args):
+    """Whether a context window cuts episodes into several rows (rows no longer hold whole episodes)."""
+    return args.context_window_mode != "full" or args.max_context_window > 0
+
+
+def check_batch_sizes(args, world):
+    """The batch sizes derived from the flags, checked against world ranks up front (RAGEN train.py asserts the same
+    things). Returns what the filter keeps, in words."""
     kept_groups = args.num_groups if args.filter_ratio >= 1 else int(args.filter_ratio * args.num_groups)
     if args.filter_strategy == "top_k_abs":
         kept_groups = min(int(args.filter_ratio), args.num_groups)
     kept_rows = kept_groups * args.group_size
     # top_k keeps a known number of groups of whole episodes; otherwise the kept row count varies from step to step
-    # and is brought to a multiple of this by --batch-adjust (RAGEN-2 uses lcm(env_groups, mini-batch, GPUs))
-    fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed
-    row_multiple = math.lcm(args.mini_batch_size, world)
+    # and is brought to a multiple of lcm(mini-batch, ranks) by --batch-adjust (RAGEN-2: lcm(env_groups, mini-batch, GPUs))
+    fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed(args)
     if args.num_groups % world:
-        die(f"--num-groups {args.num_groups} cannot be split over {world} ranks")
+        raise ValueError(f"--num-groups {args.num_groups} cannot be split over {world} ranks")
     if any(n % world for _, n in args.env_mix):
-        die(f"each mixed preset's groups must split over {world} ranks: {args.env_mix}")
+        raise ValueError(f"each mixed preset's groups must split over {world} ranks: {args.env_mix}")
     if fixed_keep and (kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size):
-        die(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
-            f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
+        raise ValueError(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
+                         f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
     if args.mini_batch_size % world:
-        die(f"--mini-batch-size {args.mini_batch_size} must divide over {world} ranks")
+        raise ValueError(f"--mini-batch-size {args.mini_batch_size} must divide over {world} ranks")
     if args.val_groups % world:
-        die(f"--val-groups {args.val_groups} must divide over {world} ranks")
-    keeps = (f"keep {kept_groups} groups = {kept_rows}, {args.ppo_epochs * kept_rows // args.mini_batch_size} optimizer "
-             f"steps per step" if fixed_keep else f"keep a varying number of rows, {args.batch_adjust} to a multiple of {row_multiple}")
-    return args, world, row_multiple, windowed, keeps
+        raise ValueError(f"--val-groups {args.val_groups} must divide over {world} ranks")
+    return (f"keep {kept_groups} groups = {kept_rows}, {args.ppo_epochs * kept_rows // args.mini_batch_size} optimizer "
+            f"steps per step" if fixed_keep else
+            f"keep a varying number of rows, {args.batch_adjust} to a multiple of {math.lcm(args.mini_batch_size, world)}")
 
 
-try:
-    args, world, row_multiple, windowed, keeps = resolve_args(sys.argv[1:], world)
-except ValueError as e:  # an unknown preset
-    sys.exit(f"train.py: {e}")
-
-# ----------------------------------------------------------------------------- compute init
-use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-if use_cuda:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    torch.backends.cuda.matmul.allow_tf32 = True
-else:
-    device = torch.device("cpu")
-if ddp and args.plan is None:
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=args.pg_timeout_min))
+# ----------------------------------------------------------------------------- where it runs, what it trains
+def print0(*a):
+    """print on rank 0 only (torchrun sets RANK on every rank)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, flush=True)
 
 
-# ----------------------------------------------------------------------------- memory plan (memplan.py)
-# What this launch needs per rank, from the model's config alone: one line at start, the parts with --plan. On
-# CUDA (or with --gpu-memory-gb) a plan that does not fit stops the run here, before any weight is loaded.
-try:
-    plan_cfg = memplan.model_config(args.model)
-except (OSError, ValueError) as e:  # a run goes on to load_model, which says what is wrong in its own words
-    plan_cfg = None
-    if args.plan is not None:
-        die(f"cannot load --model {args.model}: cannot read its config: {str(e).splitlines()[0]}")
-if plan_cfg is not None:
-    text, refusal = memplan.check_launch(plan_cfg, args, world, use_cuda,
-                                         torch.cuda.get_device_properties(device).total_memory if use_cuda else None)
-    print0(text)
-    if args.plan is not None:
-        sys.exit(0)
-    if refusal:
-        die(refusal)
+def init_compute(args, ddp):
+    """This rank's device (CUDA when asked or available, TF32 matmuls on) and, under torchrun, the process group
+    (not for --plan, which only prints)."""
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+    if ddp and args.plan is None:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=args.pg_timeout_min))
+    return device
 
-# run directory (checkpoint.py): a resumed run takes the same flags, except those that change neither what is
-# trained nor the sampled tokens (checkpoint.RESUME_MAY_CHANGE)
-try:
-    ckpt = checkpoint.open_run(args)
-except ValueError as e:
-    die(str(e))
-torch.manual_seed(args.seed)
 
-if args.demo:
-    print0(f"--demo = python train.py {DEMO} {' '.join(a for a in sys.argv[1:] if a != '--demo')}".rstrip())
-print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_env} | {args.algo}"
-       f"{' (vanilla StarPO)' if args.vanilla else ''} | world {world} on {device} | rollout {args.num_groups}x{args.group_size} "
-       f"= {args.num_groups * args.group_size} trajectories, {keeps}")
+@dataclass
+class State:
+    """What the step's parts work with besides the flags: where this rank computes, the models and their optimisers.
+    rollout_model is the actor itself on one fp32 process, else an unsharded copy (bf16 on GPU) refreshed after every
+    update; critic and ref are None when --algo and --kl-coef need none."""
+    device: torch.device
+    actor: torch.nn.Module
+    tok: object
+    opt: torch.optim.Optimizer
+    rollout_model: torch.nn.Module
+    critic: torch.nn.Module = None
+    critic_opt: torch.optim.Optimizer = None
+    ref: torch.nn.Module = None
+    sampler: rollout_py.Sampler = field(default_factory=rollout_py.Sampler)
+    autocast: object = nullcontext  # () -> the forwards' autocast context
+    share_prefix: bool = True  # the trunk passes compute a micro-batch's shared prompt prefix once
+    ddp: bool = False  # under torchrun: FSDP2-sharded models, collectives
+    rank: int = 0
+    world: int = 1
+    lora_config: object = None  # a peft LoraConfig factory under LoRA
+    lora_base: dict = field(default_factory=dict)  # LoRA under torchrun: the frozen base weights, for the rollout copy
+    wandb_run: object = None
 
-# ----------------------------------------------------------------------------- models
-# fp32 master weights, bf16 autocast on GPU; built on the meta device, sharded, then filled from rank 0 (fsdp.py's
-# docstring says how and why). Rollouts run on an unsharded copy, refreshed after every update.
-print0(f"loading --model {args.model} ...")
-actor, tok, err = None, None, None
-if master:
-    try:
-        actor, tok = load_model(args.model)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        err = f"cannot load --model {args.model}: {e}"
-if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)
-    box = [err, fsdp.meta_copy(actor) if actor is not None else None, tok]
-    dist.broadcast_object_list(box)
-    err, actor, tok = box[0], actor if master else box[1], box[2]
-if err:
-    die(err)
-bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)  # --dtype bf16 runs the GPU settings on a CPU too
-rollout_dtype = torch.bfloat16 if bf16 else torch.float32
-autocast = (lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext
-sampler = rollout_py.sampler_settings(device, args.sampler)  # auto: static + compiled exactly on CUDA
-ref = fsdp.meta_copy(actor).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
-critic = fsdp.Critic(actor) if args.algo == "ppo" else None  # rank 0: a real trunk copy, on the CPU
-# the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept group's
-# first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
-share_prefix = not (args.no_prefix_sharing or args.grad_checkpointing or ddp)
-if args.grad_checkpointing:
-    actor.gradient_checkpointing_enable()
-    if critic is not None:
-        critic.model.gradient_checkpointing_enable()
-rollout_model = None  # None: the actor itself
-if ddp or rollout_dtype != torch.float32 or args.lora_rank:  # LoRA: a plain copy, adapter merged in (sync_rollout_weights)
-    rollout_model = fsdp.meta_copy(actor, rollout_dtype).eval().requires_grad_(False)
-base_sd = actor.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
-lora_config = None  # a peft LoraConfig factory under LoRA
-if args.lora_rank:  # RAGEN: the critic trunk gets LoRA too; its head trains fully
-    try:
-        lora_config = fsdp.add_lora([actor] + ([critic.model] if critic is not None else []), args.lora_rank,
+
+def load_on_rank0(name, ddp, master):
+    """rank 0 loads --model (fp32 on the CPU); under torchrun the other ranks get its structure on the meta device and
+    the tokenizer. A failure raises the same ValueError on every rank."""
+    model, tok, err = None, None, None
+    if master:
+        try:
+            model, tok = rollout_py.load_model(name)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            err = f"cannot load --model {name}: {e}"
+    if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)
+        box = [err, fsdp.meta_copy(model) if model is not None else None, tok]
+        dist.broadcast_object_list(box)
+        err, model, tok = box[0], model if master else box[1], box[2]
+    if err:
+        raise ValueError(err)
+    return model, tok
+
+
+def build_models(args, device, ddp, rank, world):
+    """The State: fp32 master weights, bf16 autocast on GPU; built on the meta device, sharded, then filled from rank 0
+    (fsdp.py's docstring says how and why). Rollouts run on an unsharded copy, refreshed after every update."""
+    master = rank == 0
+    loaded, tok = load_on_rank0(args.model, ddp, master)  # rank 0's real weights go into the state dicts below
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")  # --dtype bf16 runs the GPU settings on a CPU too
+    ref = fsdp.meta_copy(loaded).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
+    critic_src = fsdp.Critic(loaded) if args.algo == "ppo" else None  # rank 0: a real trunk copy, on the CPU
+    if args.grad_checkpointing:
+        loaded.gradient_checkpointing_enable()
+        if critic_src is not None:
+            critic_src.model.gradient_checkpointing_enable()
+    rollout_copy = None  # None: the actor itself samples. LoRA: a plain copy, adapter merged in (sync_rollout_weights)
+    if ddp or bf16 or args.lora_rank:
+        rollout_copy = fsdp.meta_copy(loaded, torch.bfloat16 if bf16 else torch.float32).eval().requires_grad_(False)
+    base_sd = loaded.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
+    lora_config = None
+    if args.lora_rank:  # RAGEN: the critic trunk gets LoRA too; its head trains fully
+        lora_config = fsdp.add_lora([loaded] + ([critic_src.model] if critic_src is not None else []), args.lora_rank,
                                     args.lora_alpha, args.lora_target)
-    except ValueError as e:
-        die(str(e))
-actor_sd, critic_sd = (actor.state_dict(), critic.state_dict() if critic is not None else None) if master else ({}, {})
-actor, critic = fsdp.meta_copy(actor), None if critic is None else fsdp.meta_copy(critic)  # rank 0's real ones: in the state dicts
-rollout_model = actor if rollout_model is None else rollout_model
-if ddp:
-    fsdp.shard([actor, critic, ref], bf16)
-for m, sd in [(actor, actor_sd), (critic, critic_sd), (ref, base_sd), (rollout_model, base_sd)]:
-    if m is not None and next(m.parameters()).is_meta:  # the rollout copy may be the actor, already allocated
-        fsdp.materialize(m, sd, device, ddp)
-del actor_sd, critic_sd, base_sd
-# LoRA on several ranks: the frozen base of every adapted weight, kept from the rollout copy's fill (not re-gathered)
-lora_base = {n: rollout_model.get_submodule(n).weight.clone() for n, m in actor.named_modules()
-             if hasattr(m, "lora_A")} if args.lora_rank and ddp else {}
-sync_rollout_weights = functools.partial(fsdp.sync_rollout_weights, actor, rollout_model, ddp, args.lora_rank > 0, lora_base)
-opt = torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-critic_opt = None if critic is None else torch.optim.AdamW(
-    critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-
-start_step = 0
-if ckpt is not None:
-    fsdp.load_state(actor, opt, ckpt["actor"], ckpt["actor_opt"], args.lora_rank > 0)
-    if critic is not None:
-        fsdp.load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"], args.lora_rank > 0)
-    torch.set_rng_state(ckpt["torch_rng"])
-    start_step = ckpt["step"] + 1
-    ckpt = dict(monitor=ckpt["monitor"])  # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
-    print0(f"resumed {args.out} at step {start_step}")
-sync_rollout_weights()
+    actor_sd = loaded.state_dict() if master else {}
+    critic_sd = (critic_src.state_dict() if master else {}) if critic_src is not None else None
+    actor, critic = fsdp.meta_copy(loaded), None if critic_src is None else fsdp.meta_copy(critic_src)
+    del loaded, critic_src  # rank 0's real weights live on in the state dicts alone: no allocated model before sharding
+    if ddp:
+        fsdp.shard([actor, critic, ref], bf16)
+    for m, sd in [(actor, actor_sd), (critic, critic_sd), (ref, base_sd), (rollout_copy, base_sd)]:
+        if m is not None:
+            fsdp.materialize(m, sd, device, ddp)
+    rollout_model = actor if rollout_copy is None else rollout_copy
+    # LoRA on several ranks: the frozen base of every adapted weight, kept from the rollout copy's fill (not re-gathered)
+    lora_base = {n: rollout_model.get_submodule(n).weight.clone() for n, m in actor.named_modules()
+                 if hasattr(m, "lora_A")} if args.lora_rank and ddp else {}
+    return State(
+        device=device, actor=actor, tok=tok, rollout_model=rollout_model, critic=critic, ref=ref, ddp=ddp, rank=rank,
+        world=world, lora_config=lora_config, lora_base=lora_base,
+        opt=torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay),
+        critic_opt=None if critic is None else torch.optim.AdamW(critic.parameters(), lr=args.critic_lr,
+                                                                 betas=(0.9, 0.999), weight_decay=args.weight_decay),
+        sampler=rollout_py.sampler_settings(device, args.sampler),  # auto: static + compiled exactly on CUDA
+        autocast=(lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext,
+        # the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept
+        # group's first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
+        share_prefix=not (args.no_prefix_sharing or args.grad_checkpointing or ddp))
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- rollouts, passes, logging
 def phase(bar, step, what):
     """Say on the progress bar what the step is doing (rank 0 only: other ranks' bars, and a closed one, are disabled).
     The step's parts get it as say = functools.partial(phase, bar, step)."""
@@ -381,22 +366,23 @@ def phase(bar, step, what):
         bar.set_description(f"step {step}: {what}")
 
 
-def run_rollout(presets, group_size, seed0, temperature, envs, say, what="rollout"):
+def run_rollout(st, args, presets, group_size, seed0, temperature, envs, say, what="rollout"):
     """One output per (preset, n_groups) of `presets`, group g of them (counted across presets) from seed seed0 + g:
-    this rank's share of each preset's groups, gathered so that every rank holds all of them."""
+    this rank's share of each preset's groups, gathered so that every rank holds all of them. envs: {preset: env
+    objects}, reused from call to call."""
     outs = []
     for preset_key, n_groups in presets:
-        cls, preset = eval_py.ENV_CLASSES[preset_key]
-        share = ranks.rows_of_rank(n_groups, rank, world)
+        cls, preset, _ = agent.ENV_CLASSES[preset_key]
+        share = ranks.rows_of_rank(n_groups, st.rank, st.world)
         seeds = [seed0 + g for g in range(share.start, share.stop) for _ in range(group_size)]
         seed0 += n_groups
         if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
             envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
-        out = rollout(rollout_model, tok, envs[preset_key][:len(seeds)], seeds, group_size=group_size,
-                      temperature=temperature, sampler=sampler, progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"),
-                      share_prefixes=not args.no_prefix_sharing,
-                      **eval_py.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
-        outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}, ddp, world))
+        out = rollout_py.rollout(st.rollout_model, st.tok, envs[preset_key][:len(seeds)], seeds, group_size=group_size,
+                                 temperature=temperature, sampler=st.sampler,
+                                 progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"),
+                                 **agent.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
+        outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}, st.ddp, st.world))
     return outs
 
 
@@ -410,63 +396,54 @@ def env_metrics(out, prefix, group_size):
     return m
 
 
-# [(rows of a mini-batch, this rank's micro-batches of them)] of n rows: the update's, and the no-grad passes'
-partition = lambda n: ranks.update_partition(n, args.mini_batch_size, args.micro_batch_size, rank, world)
+def partition(st, args, n):
+    """[(rows of a mini-batch, this rank's micro-batches of them)] of n rows: the update's, and the no-grad passes'."""
+    return ranks.update_partition(n, args.mini_batch_size, args.micro_batch_size, st.rank, st.world)
 
 
-def trim(attention_mask, idx, *tensors):
-    """Rows idx of [B, T] tensors, cut to the longest real row of attention_mask [B, T] (right padding)."""
+def trim(attention_mask, idx, *tensors, device):
+    """Rows idx of [B, T] tensors, cut to the longest real row of attention_mask [B, T] (right padding), on device."""
     T = int(attention_mask[idx].sum(1).max())
     return [t[idx, :T].to(device) for t in tensors]
 
 
 @torch.no_grad()
-def forward_pass(model, batch, what, skip_first=False):
+def forward_pass(st, args, model, batch, what, skip_first=False):
     """logp, entropy or values (what) of this rank's share of the rows of batch (tokens, attention_mask, loss_mask,
     a multiple of world rows), gathered; logp and entropy only at batch["loss_mask"] (0 elsewhere).
     skip_first: leave the update's first mini-batch out (zeros there)."""
     n = batch["tokens"].shape[0]
-    res = torch.zeros(n, batch["tokens"].shape[1], device=device)  # on the device: NCCL reduces GPU tensors
-    for mb in [mb for _, mine in partition(n)[1 if skip_first else 0:] for mb in mine]:
-        tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"])
-        with autocast():
+    res = torch.zeros(n, batch["tokens"].shape[1], device=st.device)  # on the device: NCCL reduces GPU tensors
+    for mb in [mb for _, mine in partition(st, args, n)[1 if skip_first else 0:] for mb in mine]:
+        tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"],
+                              device=st.device)
+        with st.autocast():
             if what == "values":
-                x = model(tokens, am, share_prefix)
+                x = model(tokens, am, st.share_prefix)
             else:  # only the sampled tokens' positions (lm) go through lm_head
                 x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy",
-                                          mask=lm, share_prefix=share_prefix)
+                                          mask=lm, share_prefix=st.share_prefix)
                 x = x[1] if what == "entropy" else x[0]
         res[mb, :x.shape[1]] = x.float()
-    if ddp:  # FSDP2 keeps the root (embeddings, lm_head) gathered after a forward, for the backward no-grad never runs
+    if st.ddp:  # FSDP2 keeps the root (embeddings, lm_head) gathered after a forward, for the backward no-grad never runs
         model.reshard()
-    if ddp and n:
+    if st.ddp and n:
         dist.all_reduce(res)  # each row is filled on exactly one rank, zeros elsewhere
     return res.cpu()
 
 
-# ----------------------------------------------------------------------------- run directory and logging
-if master:
-    checkpoint.start_run_dir(args, world, start_step, resumed=ckpt is not None)
-wandb_run = None
-if args.wandb and master:
-    try:
-        import wandb
-    except ImportError:
-        die("--wandb needs `pip install wandb`")
-    wandb_run = wandb.init(project="starpo", name=os.path.basename(args.out), config=vars(args))
-
-
-def log(metrics):
-    if not master:
+def log(st, args, metrics):
+    """One line of metrics.jsonl (and wandb), rank 0."""
+    if st.rank != 0:
         return
     with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    if wandb_run is not None:
-        wandb_run.log(metrics, step=metrics["step"])
+    if st.wandb_run is not None:
+        st.wandb_run.log(metrics, step=metrics["step"])
 
 
-def dump_trajectories(out, name, n=16):
-    if not master:
+def dump_trajectories(st, args, out, name, n=16):
+    if st.rank != 0:
         return
     with open(os.path.join(args.out, name), "w") as f:
         for i in range(min(n, len(out["text"]))):
@@ -475,32 +452,24 @@ def dump_trajectories(out, name, n=16):
                                     text=out["text"][i])) + "\n")
 
 
-def validate(step, envs, say):
+def validate(st, args, step, envs, say):
     """RAGEN's protocol: fixed seeds from --val-seed, groups of 1, temperature 0.5, every val preset."""
     m = {}
     for key in args.val_env:
         # in chunks of the training rollout's size, so the sampler's one static KV pool (sized by training) serves
         # validation too; the noise is keyed by episode seed, so chunking changes no sampled token
         chunk = args.num_groups * args.group_size
-        out = ranks.merge_rows([run_rollout([(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0, args.val_temperature,
-                                            envs, say, "validation")[0] for g0 in range(0, args.val_groups, chunk)])
+        out = ranks.merge_rows([run_rollout(st, args, [(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0,
+                                            args.val_temperature, envs, say, "validation")[0]
+                                for g0 in range(0, args.val_groups, chunk)])
         m.update(env_metrics(out, f"val-env/{key}", 1))
         if args.log_trajectories_every and step % args.log_trajectories_every == 0:
-            dump_trajectories(out, f"val-{key}-step{step:05d}.jsonl")
+            dump_trajectories(st, args, out, f"val-{key}-step{step:05d}.jsonl")
     return m
 
 
-def save_checkpoint(step, monitor):
-    """checkpoint.save_checkpoint, on every rank (the state dicts are gathered collectively); a failed write stops the run."""
-    try:
-        checkpoint.save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout_model, tok, master,
-                                   lora_config() if lora_config else None)
-    except OSError as e:
-        die(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}")
-
-
 # ----------------------------------------------------------------------------- the parts of one step
-def normalised_scores(out, outs):
+def normalised_scores(args, out, outs):
     """[N] each episode's score (sum of turn rewards + format penalty), normalised by --reward-norm unless rewards
     go on turns; outs are the rollout's per-preset outputs (their env tags for --reward-norm-grouping inductive)."""
     scores = out["scores"].float()
@@ -510,9 +479,9 @@ def normalised_scores(out, outs):
     return scores
 
 
-def filter_rows(out, scores, step):
+def filter_rows(st, args, out, scores, step):
     """Whole groups filtered (StarPO-S _filter_rollout, RAGEN-2 rollout_filter.py) by --filter-metric, then the rows
-    of the kept episodes copied or dropped to a multiple of the mini-batch (RAGEN-2 adjust_batch).
+    of the kept episodes copied or dropped to a multiple of lcm(mini-batch, ranks) (RAGEN-2 adjust_batch).
     Returns ([K] kept rows of out, the kept group fraction, metrics)."""
     ep = out["episode"]  # [R] episode of each row (R = N, except one row per turn under --context-window-mode)
     ranked = scores      # [N] what the filter ranks
@@ -520,9 +489,9 @@ def filter_rows(out, scores, step):
         if args.filter_metric == "length":                          # over its rows of a row's mean token entropy
             per_row = out["loss_mask"].sum(1).float()  # [R]
         else:  # the actor's entropy (RAGEN-2 EntropyRolloutFilter); rows padded to a multiple of world for FSDP
-            padded = {k: out[k][torch.arange(len(ep) + (-len(ep)) % world).clamp(max=max(len(ep) - 1, 0))]
+            padded = {k: out[k][torch.arange(len(ep) + (-len(ep)) % st.world).clamp(max=max(len(ep) - 1, 0))]
                       for k in ("tokens", "attention_mask", "loss_mask")}
-            per_row = forward_pass(actor, padded, "entropy")[:len(ep)].sum(1) / out["loss_mask"].sum(1).clamp(min=1)
+            per_row = forward_pass(st, args, st.actor, padded, "entropy")[:len(ep)].sum(1) / out["loss_mask"].sum(1).clamp(min=1)
         ranked = torch.zeros(len(scores)).index_add_(0, ep, per_row)
         if args.filter_metric != "length":
             ranked = ranked / torch.bincount(ep, minlength=len(scores)).clamp(min=1)
@@ -539,12 +508,12 @@ def filter_rows(out, scores, step):
     idx = keep[ep].nonzero().squeeze(1)                                   # [K0] rows of the kept episodes, in order
     m["rollout/empty_after_filter"], m["train/real_batch_size"] = float(len(idx) == 0), len(idx)
     g = torch.Generator().manual_seed(args.seed * 100003 + step)          # the same draw on every rank, and on resume
-    idx = idx[starpo.adjust_rows(len(idx), row_multiple, args.batch_adjust, g)]  # [K] a no-op for a fixed top_k count
+    idx = idx[starpo.adjust_rows(len(idx), math.lcm(args.mini_batch_size, st.world), args.batch_adjust, g)]  # [K] a no-op for a fixed top_k count
     m["train/empty_after_adjust"], m["train/batch_size"] = float(len(idx) == 0 and m["train/real_batch_size"] > 0), len(idx)
     return idx, kept_ratio, m
 
 
-def place_rewards(out, idx, mask, scores):
+def place_rewards(args, out, idx, mask, scores):
     """[K, T] rewards on the kept rows idx of out, at action tokens (mask [K, T]): each turn's reward on its last
     sampled token with --turn-rewards (rows = episodes), else the normalised episode score on the row's last one."""
     rewards = torch.zeros(mask.shape)
@@ -557,30 +526,30 @@ def place_rewards(out, idx, mask, scores):
     return rewards
 
 
-def old_logprobs(batch, say):
+def old_logprobs(st, args, batch, say):
     """[K, T] the kept rows' old log-probs: the sampler's, or recomputed by the actor (RAGEN). Recomputed, the first
     mini-batch's rows are left at 0 here: the update's first forward runs on these same weights, on the same
     micro-batches (update_partition), so it computes them itself, to the last bit, and fills them in (actor_update)."""
     if args.old_logp == "sampler":
         return batch["old_logp"]
     say("old log-probs")
-    return forward_pass(actor, batch, "logp", skip_first=True)  # 0 off the loss mask, as the sampler's
+    return forward_pass(st, args, st.actor, batch, "logp", skip_first=True)  # 0 off the loss mask, as the sampler's
 
 
-def reference_and_values(batch, say):
+def reference_and_values(st, args, batch, say):
     """[K, T] reference log-probs (None without a KL loss) and critic values (None without a critic)."""
-    if ref is not None or critic is not None or args.kl_coef > 0:
+    if st.ref is not None or st.critic is not None or args.kl_coef > 0:
         say("reference log-probs and values")
-    ref_logp = forward_pass(ref, batch, "logp") if ref is not None else None
+    ref_logp = forward_pass(st, args, st.ref, batch, "logp") if st.ref is not None else None
     if args.kl_coef > 0 and args.lora_rank:  # LoRA: the reference is the base model = the actor with its adapter off
-        actor.disable_adapters()             # (peft's disable_adapter, without a second copy of the weights)
-        ref_logp = forward_pass(actor, batch, "logp")
-        actor.enable_adapters()
-    values = forward_pass(critic, batch, "values") * batch["mask"] if critic is not None else None
+        st.actor.disable_adapters()          # (peft's disable_adapter, without a second copy of the weights)
+        ref_logp = forward_pass(st, args, st.actor, batch, "logp")
+        st.actor.enable_adapters()
+    values = forward_pass(st, args, st.critic, batch, "values") * batch["mask"] if st.critic is not None else None
     return ref_logp, values
 
 
-def advantages(batch, values, scores, groups, kept_ratio):
+def advantages(args, batch, values, scores, groups, kept_ratio):
     """GAE over action tokens (PPO), REINFORCE++ returns, or one advantage per episode from its group (scores and
     groups [N] of the whole rollout). Returns advantages [K, T], returns [K, T] (PPO, else None), metrics."""
     mask, rewards, m, returns = batch["mask"], batch["rewards"], {}, None
@@ -607,41 +576,44 @@ def advantages(batch, values, scores, groups, kept_ratio):
     return adv, returns, m
 
 
-def critic_update(mine, batch, returns, values, counts):
+
+def critic_update(st, args, mine, batch, returns, values, counts):
     """One critic optimizer step over this rank's micro-batches `mine` of a mini-batch. Returns (summed loss terms,
     metrics per micro-batch): every micro-batch's loss is already divided by the mini-batch's global counts."""
     part, acc = {}, {}
-    critic_opt.zero_grad(set_to_none=True)
+    st.critic_opt.zero_grad(set_to_none=True)
     for j, mb in enumerate(mine):
-        if ddp:  # FSDP2: reduce-scatter the gradients once, in the mini-batch's last backward
-            critic.set_requires_gradient_sync(j == len(mine) - 1)
+        if st.ddp:  # FSDP2: reduce-scatter the gradients once, in the mini-batch's last backward
+            st.critic.set_requires_gradient_sync(j == len(mine) - 1)
         tokens, am, mmask, mret, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
-                                             batch["mask"], returns, values)
-        with autocast():
-            v = critic(tokens, am, share_prefix)
+                                             batch["mask"], returns, values, device=st.device)
+        with st.autocast():
+            v = st.critic(tokens, am, st.share_prefix)
         vf_loss, vm = starpo.value_loss(v.float(), mold, mret, mmask, args.value_clip, args.loss_agg, **counts)
-        (vf_loss * world).backward()  # FSDP averages gradients over ranks; the count is already global
+        (vf_loss * st.world).backward()  # FSDP averages gradients over ranks; the count is already global
         part["critic/vf_loss"] = part.get("critic/vf_loss", 0.0) + vf_loss.item()
         for k, x in vm.items():
             acc.setdefault(f"critic/{k}", []).append(float(x))
-    acc["critic/grad_norm"] = [starpo.clip_and_step(critic, critic_opt, args.grad_clip)]
+    acc["critic/grad_norm"] = [starpo.clip_and_step(st.critic, st.critic_opt, args.grad_clip)]
     return part, acc
 
 
-def actor_update(mine, batch, adv, old_logp, ref_logp, counts, fill_old=False):
-    """One actor optimizer step over this rank's micro-batches `mine` of a mini-batch: clipped policy loss, entropy
-    bonus, KL loss to ref_logp if given. Returns (summed loss terms, metrics per micro-batch) as critic_update.
-    fill_old: these rows' old log-probs are this forward's (written into old_logp, for the later epochs)."""
+def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_old=False):
+    """One actor optimizer step over this rank's micro-batches `mine` (lists of row indices) of a mini-batch: clipped
+    policy loss, entropy bonus, KL loss to ref_logp if given. batch: tokens, attention_mask, mask [K, T]; adv, old_logp,
+    ref_logp [K, T]; counts: the mini-batch's token_count and seq_count over all ranks. Returns (summed loss terms,
+    metrics per micro-batch) as critic_update. fill_old: these rows' old log-probs are this forward's (written into
+    old_logp, for the later epochs)."""
     part, acc = {}, {}
-    opt.zero_grad(set_to_none=True)
+    st.opt.zero_grad(set_to_none=True)
     for j, mb in enumerate(mine):
-        if ddp:  # until then each rank accumulates unsharded fp32 gradients (memplan's grad_buffers)
-            actor.set_requires_gradient_sync(j == len(mine) - 1)
+        if st.ddp:  # until then each rank accumulates unsharded fp32 gradients (memplan's grad_buffers)
+            st.actor.set_requires_gradient_sync(j == len(mine) - 1)
         tokens, am, mmask, madv, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
-                                             batch["mask"], adv, old_logp)
-        with autocast(), (memplan.saved_bytes(actor) if args.measure_activations else nullcontext()) as held:
-            logp, ent = starpo.token_logprobs(actor, tokens, am, temperature=args.temperature, with_entropy=True,
-                                             mask=mmask, share_prefix=share_prefix)
+                                             batch["mask"], adv, old_logp, device=st.device)
+        with st.autocast(), (memplan.saved_bytes(st.actor) if args.measure_activations else nullcontext()) as held:
+            logp, ent = starpo.token_logprobs(st.actor, tokens, am, temperature=args.temperature, with_entropy=True,
+                                             mask=mmask, share_prefix=st.share_prefix)
         if held:
             acc.setdefault("perf/actor_saved_activations_mb", []).append(held[0] / 2**20)
         logp, ent = logp.float(), ent.float()
@@ -652,38 +624,38 @@ def actor_update(mine, batch, adv, old_logp, ref_logp, counts, fill_old=False):
                                          args.dual_clip, args.loss_agg, **counts)
         loss = pg_loss - args.entropy_coef * starpo.aggregate(ent, mmask, args.loss_agg, **counts)
         if ref_logp is not None:
-            kl = starpo.kl_penalty(logp, trim(batch["attention_mask"], mb, ref_logp)[0], args.kl_type)
+            kl = starpo.kl_penalty(logp, trim(batch["attention_mask"], mb, ref_logp, device=st.device)[0], args.kl_type)
             kl_loss = starpo.aggregate(kl, mmask, args.loss_agg, **counts)
             loss = loss + args.kl_coef * kl_loss
             part["actor/kl_loss"] = part.get("actor/kl_loss", 0.0) + kl_loss.item()
-        (loss * world).backward()
+        (loss * st.world).backward()
         part["actor/pg_loss"] = part.get("actor/pg_loss", 0.0) + pg_loss.item()
         part["actor/entropy"] = part.get("actor/entropy", 0.0) + (ent * mmask).sum().item() / max(counts["token_count"], 1)
         for k, x in pm.items():
             acc.setdefault(f"actor/{k}", []).append(float(x))
-    acc["actor/grad_norm"] = [starpo.clip_and_step(actor, opt, args.grad_clip)]
+    acc["actor/grad_norm"] = [starpo.clip_and_step(st.actor, st.opt, args.grad_clip)]
     return part, acc
 
 
-def update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
+def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
     step (PPO), then an actor step. A non-finite actor gradient skips its step (counted in monitor). Returns the
     metrics averaged over mini-batches and ranks."""
     acc = {}
-    actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
-    if critic is not None:
-        critic.train()
-    minibatches = partition(len(batch["tokens"]))  # [(rows, this rank's micro-batches of them)], as forward_pass
+    st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
+    if st.critic is not None:
+        st.critic.train()
+    minibatches = partition(st, args, len(batch["tokens"]))  # [(rows, this rank's micro-batches of them)], as forward_pass
     for epoch in range(args.ppo_epochs):
         for i, (mb_rows, mine) in enumerate(minibatches):
             say(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
             mask = batch["mask"][mb_rows]  # global token / row counts of this mini-batch (known on every rank)
             counts = dict(token_count=mask.sum().item(), seq_count=int(mask.any(-1).sum()))  # rows with a loss token
-            part, got = critic_update(mine, batch, returns, values, counts) if critic is not None else ({}, {})
+            part, got = critic_update(st, args, mine, batch, returns, values, counts) if st.critic is not None else ({}, {})
             fill_old = epoch == 0 and i == 0 and args.old_logp == "recompute"  # see old_logprobs
-            actor_part, actor_got = actor_update(mine, batch, adv, old_logp, ref_logp, counts, fill_old)
-            if fill_old and ddp:  # each row was filled on one rank, zeros elsewhere: every rank gets them all
-                filled = old_logp[mb_rows].to(device)
+            actor_part, actor_got = actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_old)
+            if fill_old and st.ddp:  # each row was filled on one rank, zeros elsewhere: every rank gets them all
+                filled = old_logp[mb_rows].to(st.device)
                 dist.all_reduce(filled)
                 old_logp[mb_rows] = filled.cpu()
             if not math.isfinite(actor_got["actor/grad_norm"][0]):
@@ -692,21 +664,22 @@ def update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
             for k, x in list(got.items()) + list(actor_got.items()):
                 acc.setdefault(k, []).extend(x)
             for k, x in {**part, **actor_part}.items():  # x * world: all_reduce_mean below then sums the ranks' partials
-                acc.setdefault(k, []).append(x * world)
-    actor.eval()
-    if critic is not None:
-        critic.eval()
-    m = ranks.all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()}, ddp, world, device)
+                acc.setdefault(k, []).append(x * st.world)
+    st.actor.eval()
+    if st.critic is not None:
+        st.critic.eval()
+    m = ranks.all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()},
+                              st.ddp, st.world, st.device)
     return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr})
 
 
-def step_summary(m, timing, out, batch):
+def step_summary(st, args, m, timing, out, batch):
     """Timings, throughput and memory of a step for its metrics, and the progress bar's line."""
     perf = {f"timing_s/{k}": v for k, v in timing.items()}
     perf["perf/rollout_tokens_per_s"] = out["stats"]["response_tokens"].sum().item() / max(timing["rollout"], 1e-9)
     perf["perf/update_tokens_per_s"] = batch["attention_mask"].sum().item() * args.ppo_epochs / max(timing["update"], 1e-9)
-    if use_cuda:
-        perf["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if st.device.type == "cuda":
+        perf["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(st.device) / 2**30
     line = (f"score {m[f'train/{args.env}/score']:.3f} succ {m[f'train/{args.env}/success']:.2f} "
             f"std {m['rollout/in_group_std']:.3f} ent {m.get('actor/entropy', 0):.3f} "
             f"gn {m.get('actor/grad_norm', 0):.2f} {timing['step']:.1f}s")
@@ -714,105 +687,170 @@ def step_summary(m, timing, out, batch):
 
 
 # ----------------------------------------------------------------------------- the StarPO loop
-from tqdm import tqdm
-
-train_envs, val_envs = {}, {}
-# collapse indicators and stop counters, checkpointed with the run
-monitor = ckpt["monitor"] if ckpt is not None else {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
-bar = tqdm(range(start_step, args.steps), disable=not master, initial=start_step, total=args.steps, dynamic_ncols=True)
-stop = None  # (metric name, message) of an early stop
-for step in bar:
-    say = functools.partial(phase, bar, step)
-    t_step = time.time()
-    timing, m = {}, {"step": step}
-    if args.val_every > 0 and step % args.val_every == 0:
-        t0 = time.time()
-        m.update(validate(step, val_envs, say))
-        timing["val"] = time.time() - t0
-
-    # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
-    #    take their groups in --env order, each logged under its own name
+@contextmanager
+def timed(timing, name):
+    """timing[name] = the block's wall time in seconds."""
     t0 = time.time()
-    outs = run_rollout(args.env_mix, args.group_size, args.seed + step * args.num_groups, args.temperature, train_envs, say)
-    timing["rollout"] = time.time() - t0
-    for (e, _), o in zip(args.env_mix, outs):
-        m.update(env_metrics(o, f"train/{e}", args.group_size))
-    out = ranks.merge_rows(outs)
-    if args.log_trajectories_every and step % args.log_trajectories_every == 0:
-        dump_trajectories(out, f"train-step{step:05d}.jsonl")
-    # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
-    if args.collapse_every > 0 and step % args.collapse_every == 0 and master and not windowed:
-        t0 = time.time()
-        say("collapse diagnostics")
-        m.update(collapse.collapse_metrics(rollout_model, tok, out, args.seed + step, not args.no_think, args.max_turns > 1,
-                                           args.temperature))
-        timing["collapse"] = time.time() - t0
+    yield
+    timing[name] = time.time() - t0
 
-    # 2. select rows: normalise the scores, filter whole groups, adjust the row count, place the rewards
-    t0 = time.time()
-    scores = normalised_scores(out, outs)  # [N]
-    idx, kept_ratio, fm = filter_rows(out, scores, step)  # [K]
-    m.update(fm)
-    batch = {k: out[k][idx] for k in ("tokens", "attention_mask", "loss_mask", "old_logp", "episode")}  # [K, T] / [K]
-    batch["mask"] = batch["loss_mask"].float()  # [K, T] tokens the policy sampled
-    batch["rewards"] = place_rewards(out, idx, batch["mask"], scores)  # [K, T]
-    timing["filter"] = time.time() - t0
 
-    # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
-    t0 = time.time()
-    old_logp = old_logprobs(batch, say)
-    timing["old_logp"] = time.time() - t0
-    t0 = time.time()
-    ref_logp, values = reference_and_values(batch, say)
-    timing["ref_values"] = time.time() - t0
+def train_loop(st, args, start_step, monitor):
+    """Steps start_step .. --steps - 1, then the final validation. monitor: the collapse indicators and stop counters
+    (checkpointed with the run). Returns the early stop (metric name, message), or None."""
+    from tqdm import tqdm
+    train_envs, val_envs = {}, {}
+    bar = tqdm(range(start_step, args.steps), disable=st.rank != 0, initial=start_step, total=args.steps, dynamic_ncols=True)
+    stop = None
+    for step in bar:
+        say = functools.partial(phase, bar, step)
+        t_step = time.time()
+        timing, m = {}, {"step": step}
+        if args.val_every > 0 and step % args.val_every == 0:
+            with timed(timing, "val"):
+                m.update(validate(st, args, step, val_envs, say))
 
-    # 4. advantages
-    t0 = time.time()
-    adv, returns, am = advantages(batch, values, scores, out["group"], kept_ratio)
-    m.update(am)
-    timing["adv"] = time.time() - t0
+        # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
+        #    take their groups in --env order, each logged under its own name
+        with timed(timing, "rollout"):
+            outs = run_rollout(st, args, args.env_mix, args.group_size, args.seed + step * args.num_groups,
+                               args.temperature, train_envs, say)
+        for (e, _), o in zip(args.env_mix, outs):
+            m.update(env_metrics(o, f"train/{e}", args.group_size))
+        out = ranks.merge_rows(outs)
+        if args.log_trajectories_every and step % args.log_trajectories_every == 0:
+            dump_trajectories(st, args, out, f"train-step{step:05d}.jsonl")
+        # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
+        if args.collapse_every > 0 and step % args.collapse_every == 0 and st.rank == 0 and not windowed(args):
+            with timed(timing, "collapse"):
+                say("collapse diagnostics")
+                m.update(collapse.collapse_metrics(st.rollout_model, st.tok, out, args.seed + step, not args.no_think,
+                                                   args.max_turns > 1, args.temperature))
 
-    # 5. PPO updates, then the rollout copy takes the new weights
-    t0 = time.time()
-    m.update(update(batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
-    if args.old_logp == "recompute":  # old_logp is complete now: the sampler's mean distance from it
-        m["rollout/sampler_logp_abs_diff"] = (((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
-                                              / max(batch["mask"].sum().item(), 1))
-    timing["update"] = time.time() - t0
-    t0 = time.time()
-    m["perf/sync_gathered_mb"] = sync_rollout_weights() / 2**20
-    timing["sync"] = time.time() - t0
+        # 2. select rows: normalise the scores, filter whole groups, adjust the row count, place the rewards
+        with timed(timing, "filter"):
+            scores = normalised_scores(args, out, outs)  # [N]
+            idx, kept_ratio, fm = filter_rows(st, args, out, scores, step)  # [K]
+            m.update(fm)
+            batch = {k: out[k][idx] for k in ("tokens", "attention_mask", "loss_mask", "old_logp", "episode")}  # [K, T] / [K]
+            batch["mask"] = batch["loss_mask"].float()  # [K, T] tokens the policy sampled
+            batch["rewards"] = place_rewards(args, out, idx, batch["mask"], scores)  # [K, T]
 
-    # 6. log, checkpoint
-    timing["step"] = time.time() - t_step
-    perf, line = step_summary(m, timing, out, batch)
-    m.update(perf)
-    m["warnings"] = collapse.collapse_warnings(m, monitor)
-    for w in m["warnings"]:
-        print0(f"step {step}: WARNING {w}")
-    stop = collapse.stop_reason(m, monitor, step, args.empty_stop_steps, args.early_stop, print0)
-    if stop:
-        m[f"early_stopped/{stop[0]}"] = 1.0
-    log(m)
-    bar.set_postfix_str(line)
-    if stop or step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
-        say("checkpoint")
-        save_checkpoint(step, monitor)
-    if stop:
-        print0(f"step {step}: stopping early: {stop[1]} (checkpoint in {args.out})")
-        break
+        # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
+        with timed(timing, "old_logp"):
+            old_logp = old_logprobs(st, args, batch, say)
+        with timed(timing, "ref_values"):
+            ref_logp, values = reference_and_values(st, args, batch, say)
 
-if args.val_every > 0 and not stop:  # RAGEN also validates after the last update (again on a resume at the end)
-    t0 = time.time()
-    print0(f"final validation: {args.val_env}, {args.val_groups} seeds each")
-    m = {"step": args.steps, **validate(args.steps, val_envs, functools.partial(phase, bar, args.steps)),
-         "timing_s/val": time.time() - t0}
-    log(m)
+        # 4. advantages
+        with timed(timing, "adv"):
+            adv, returns, am = advantages(args, batch, values, scores, out["group"], kept_ratio)
+            m.update(am)
 
-if master:
-    checkpoint.print_summary(args)
+        # 5. PPO updates, then the rollout copy takes the new weights
+        with timed(timing, "update"):
+            m.update(update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
+            if args.old_logp == "recompute":  # old_logp is complete now: the sampler's mean distance from it
+                m["rollout/sampler_logp_abs_diff"] = (((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
+                                                      / max(batch["mask"].sum().item(), 1))
+        with timed(timing, "sync"):
+            m["perf/sync_gathered_mb"] = sync_rollout_weights(st, args) / 2**20
 
-if wandb_run is not None:
-    wandb_run.finish()
-if ddp:
-    dist.destroy_process_group()
+        # 6. log, checkpoint
+        timing["step"] = time.time() - t_step
+        perf, line = step_summary(st, args, m, timing, out, batch)
+        m.update(perf)
+        m["warnings"] = collapse.collapse_warnings(m, monitor)
+        for w in m["warnings"]:
+            print0(f"step {step}: WARNING {w}")
+        stop = collapse.stop_reason(m, monitor, step, args.empty_stop_steps, args.early_stop, print0)
+        if stop:
+            m[f"early_stopped/{stop[0]}"] = 1.0
+        log(st, args, m)
+        bar.set_postfix_str(line)
+        if stop or step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+            say("checkpoint")
+            checkpoint.save_checkpoint(args, step, monitor, st)
+        if stop:
+            print0(f"step {step}: stopping early: {stop[1]} (checkpoint in {args.out})")
+            break
+
+    if args.val_every > 0 and not stop:  # RAGEN also validates after the last update (again on a resume at the end)
+        print0(f"final validation: {args.val_env}, {args.val_groups} seeds each")
+        m = {"step": args.steps}
+        with timed(m, "timing_s/val"):
+            m.update(validate(st, args, args.steps, val_envs, functools.partial(phase, bar, args.steps)))
+        log(st, args, m)
+    return stop
+
+
+def sync_rollout_weights(st, args):
+    """The rollout copy takes the actor's weights (fsdp.sync_rollout_weights); returns the bytes gathered."""
+    return fsdp.sync_rollout_weights(st.actor, st.rollout_model, st.ddp, args.lora_rank > 0, st.lora_base)
+
+
+# ----------------------------------------------------------------------------- the script
+# Importing train.py runs nothing; `python train.py` (and torchrun) runs main(), which turns bad input into one line
+def die(msg):  # every rank sees the same args, so every rank stops with the same one-line error
+    print0(f"train.py: {msg}")
+    sys.exit(2)
+
+
+def main(argv=None):
+    """train.py's command line (default sys.argv[1:]): flags, models, the loop, the summary. Bad input stops with one
+    line and exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    try:
+        args, world, keeps = parse_args(argv, world)
+        device = init_compute(args, ddp)
+        # the memory plan (memplan.py): one line at start, the parts with --plan; on CUDA (or with --gpu-memory-gb) a
+        # plan that does not fit stops the run here, before any weight is loaded
+        text, refusal = memplan.check_launch(args, world, device)
+        if text:
+            print0(text)
+        if args.plan is not None:
+            return
+        if refusal:
+            raise ValueError(refusal)
+        # run directory (checkpoint.py): a resumed run takes the same flags, except those that change neither what is
+        # trained nor the sampled tokens (checkpoint.RESUME_MAY_CHANGE)
+        ckpt = checkpoint.open_run(args)
+        torch.manual_seed(args.seed)
+        if args.demo:
+            print0(f"--demo = python train.py {DEMO} {' '.join(a for a in argv if a != '--demo')}".rstrip())
+        print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_env} | {args.algo}"
+               f"{' (vanilla StarPO)' if args.vanilla else ''} | world {world} on {device} | rollout {args.num_groups}x"
+               f"{args.group_size} = {args.num_groups * args.group_size} trajectories, {keeps}")
+        print0(f"loading --model {args.model} ...")
+        st = build_models(args, device, ddp, rank, world)
+    except ValueError as e:
+        die(e)
+    start_step, monitor = checkpoint.load_checkpoint(args, ckpt, st)
+    resumed, ckpt = ckpt is not None, None  # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
+    if resumed:
+        print0(f"resumed {args.out} at step {start_step}")
+    sync_rollout_weights(st, args)
+    if rank == 0:
+        checkpoint.start_run_dir(args, world, start_step, resumed)
+        if args.wandb:
+            try:
+                import wandb
+            except ImportError:
+                die("--wandb needs `pip install wandb`")
+            st.wandb_run = wandb.init(project="starpo", name=os.path.basename(args.out), config=vars(args))
+    try:
+        train_loop(st, args, start_step, monitor)
+    except OSError as e:  # a file that could not be written (a full disk): the last checkpoint stays whole
+        die(e)
+    if rank == 0:
+        checkpoint.print_summary(args)
+    if st.wandb_run is not None:
+        st.wandb_run.finish()
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""How an episode is played, in one place for train.py, eval.py and sft.py: the environment registry (every env
+file's presets, the short names, the env's scripted policies), the agent-loop flags with their defaults, and
+agent_settings(), which turns flag values into rollout()'s keyword arguments.
+
+A new environment is one file plus one register() line at the end of this one. The file (env_cue.py is the
+smallest) holds a class with reset(seed) -> text, step(action text) -> (text, reward, done, info with "success"),
+render() and actions(); PRESETS, {name: dict(kwargs for the class, instruction, max_actions_per_traj, max_tokens,
+and optionally max_turns / max_actions_per_turn)}; and sft.py's demonstration policies, solver_actions(env, k)
+(the solver's next k actions, or None) and random_actions(env, k, rng).
+"""
+import env_bandit
+import env_countdown
+import env_cue
+import env_frozenlake
+import env_sokoban
+import env_webshop
+
+ENV_CLASSES = {}  # preset name -> (env class, preset dict, env module)
+SHORT_NAMES = {}  # short name -> the preset it stands for
+AGENT_DEFAULTS = dict(max_turns=5, max_actions_per_turn=5, max_context=3600)  # unless the preset fixes them (RAGEN's env configs)
+# the agent-loop flags' defaults (train.py, sft.py); None: the preset's value, else AGENT_DEFAULTS
+FLAG_DEFAULTS = dict(max_turns=None, max_actions_per_turn=None, max_actions_per_traj=None, max_new_tokens=400,
+                     max_context=None, no_think=False, format_penalty=-0.1, context_window_mode="full",
+                     max_context_window=-1, no_stop_at_answer=False, temperature=1.0, top_p=1.0, no_kv_reuse=False,
+                     no_prefix_sharing=False)
+
+
+def register(cls, module, short=None, preset=None):
+    """Add an environment: every preset of module.PRESETS, played with env class cls, and `short` as a short name
+    of one of them, `preset`."""
+    if short is not None and preset not in module.PRESETS:
+        raise ValueError(f"short name {short!r}: {module.__name__} has no preset {preset!r}")
+    for name, p in module.PRESETS.items():
+        ENV_CLASSES[name] = (cls, p, module)
+    if short is not None:
+        SHORT_NAMES[short] = preset
+
+
+def preset_name(name):
+    """'sokoban' -> 'SimpleSokoban'; preset names are matched case-insensitively. ValueError for an unknown one."""
+    name = SHORT_NAMES.get(name.lower(), name)
+    for known in ENV_CLASSES:
+        if known.lower() == name.lower():
+            return known
+    raise ValueError(f"unknown env or preset {name!r}; choose from {sorted(SHORT_NAMES)} or {sorted(ENV_CLASSES)}")
+
+
+def add_agent_flags(p, defaults=FLAG_DEFAULTS, from_run=False, sampling=True):
+    """The agent-loop flags on p (an argparse parser or group), defaults from `defaults`. from_run (eval.py): every
+    default None, for a run directory's args.json and then `defaults` to fill, and --think to undo a run's
+    --no-think. sampling=False (sft.py, whose turns are written, not sampled): no sampler flags."""
+    def add(flag, help, **kw):
+        default = defaults[flag[2:].replace("-", "_")]
+        if from_run:  # the help says what fills it
+            help += f" (a run directory: its own{'' if default in (None, False) else f'; else {default}'})"
+        p.add_argument(flag, default=None if from_run else default, help=help, **kw)
+    add("--max-turns", "turns per episode (agent_proxy.max_turn; default 5, or the preset's: Bandit 1, WebShop 9)", type=int)
+    add("--max-actions-per-turn", "actions kept per turn (default 5, or the preset's: Bandit and WebShop 1)", type=int)
+    add("--max-actions-per-traj", "action budget per episode (default: the preset's, 10 for Sokoban)", type=int)
+    add("--max-new-tokens", "response tokens per turn (rollout.response_length)", type=int)
+    add("--max-context", "longest conversation in tokens, longer episodes end as truncated (default 3600, WebShop 15000)",
+        type=int)
+    add("--no-think", "answer-only mode: force <answer> instead of <think> (enable_think=False)", action="store_true")
+    if from_run:
+        p.add_argument("--think", dest="no_think", action="store_false", help="thinking on, overriding a run's --no-think")
+    add("--format-penalty", "added to the score once per malformed turn", type=float)
+    add("--context-window-mode", "full: one training row per episode; limited_multi_turn / single_turn: one row per "
+        "turn (RAGEN-2)", choices=["full", "limited_multi_turn", "single_turn"])
+    add("--max-context-window", "show only the last k turns in the prompt (-1 = all)", type=int)
+    add("--no-stop-at-answer", "let a turn run past its closing </answer> tag to a stop token or the token budget, "
+        "training and showing what follows (the cut is RAGEN's; this keeps the uncut turn for comparison)",
+        action="store_true")
+    if sampling:
+        add("--temperature", "sampling temperature (train.py: also the log-probs')", type=float)
+        add("--top-p", "nucleus sampling", type=float)
+        add("--no-kv-reuse", "re-prefill the whole conversation every turn (reference path)", action="store_true")
+        add("--no-prefix-sharing", "compute every row's prompt in full, also the prefixes rows share (reference "
+            "path): in the rollout's prefill (train/<env>/prefill_saved counts what sharing saves) and in train.py's "
+            "old log-prob, value and update passes", action="store_true")
+
+
+def agent_settings(preset_key, a):
+    """rollout()'s settings for one preset from the agent flags' values (a: dict, e.g. vars(args) or a run's
+    args.json, with sample_seed, the sampling keys' seed; a flag it lacks takes FLAG_DEFAULTS): the preset with
+    --max-actions-per-traj, the turn / action / token / context budgets (None: the preset's, else AGENT_DEFAULTS),
+    think mode, top-p, format penalty, KV reuse, prefix sharing, the cut at the closing tag and the context window.
+    The caller adds group_size, temperature and the per-call arguments."""
+    a = dict(FLAG_DEFAULTS, **a)
+    preset = ENV_CLASSES[preset_key][1]
+    budget = {k: a[k] if a[k] is not None else preset.get(k, v) for k, v in AGENT_DEFAULTS.items()}
+    return dict(preset=dict(preset, max_actions_per_traj=a["max_actions_per_traj"] or preset["max_actions_per_traj"]),
+                **budget, max_new_tokens=a["max_new_tokens"], top_p=a["top_p"], think=not a["no_think"],
+                format_penalty=a["format_penalty"], kv_reuse=not a["no_kv_reuse"], sample_seed=a["sample_seed"],
+                window=a["max_context_window"], window_mode=a["context_window_mode"],
+                share_prefixes=not a["no_prefix_sharing"], stop_at_answer=not a["no_stop_at_answer"])
+
+
+# the registry: one line per environment file (class, file, and optionally a short name and the preset it picks)
+register(env_bandit.BanditEnv, env_bandit, "bandit", "Bandit")
+register(env_sokoban.SokobanEnv, env_sokoban, "sokoban", "SimpleSokoban")
+register(env_frozenlake.FrozenLakeEnv, env_frozenlake, "frozenlake", "FrozenLake")
+register(env_webshop.WebShopEnv, env_webshop, "webshop", "WebShop")
+register(env_countdown.CountdownEnv, env_countdown, "countdown", "Countdown")
+register(env_cue.CueEnv, env_cue)
