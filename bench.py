@@ -5,8 +5,11 @@
   python bench.py --only envs                      # reset / step medians of every env preset
   python bench.py --only logprobs --batch 4 --turns 3 --turn-tokens 24    # the update's lm_head: sampled tokens only
   python bench.py --only step --threads 2 --repeats 2   # one multi-turn PPO train.py step by phase (--against DIR: vs another checkout)
+  python bench.py --only cut --batch 32 --turns 3 --turn-tokens 48   # turns cut at </answer> vs run to a stop token
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
   python bench.py --gpu-check                      # first thing on a GPU machine: PASS / FAIL per line, exit 1 on a FAIL
+  python bench.py --only prefill --repeats 5       # prefill shapes rounded up (rollout.PREFILL_MULTIPLE) vs exact lengths
+  python bench.py --plan --markdown                # results/README.md's memory-plan tables (the suite compares them)
 
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
 """
@@ -140,6 +143,63 @@ def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
     return times
 
 
+def time_answer_cut(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
+    """The multi-turn rollout of the step bench (CoordFrozenLakeDet, answer-only) with turns ending at their
+    closing tag (the default) against turns running to a stop token or the budget (interleaved repeats):
+    rollout seconds and sampled tokens per turn (after the cut; the uncut side keeps all it samples)."""
+    from env_frozenlake import PRESETS, FrozenLakeEnv
+    preset = PRESETS["CoordFrozenLakeDet"]
+    seeds = [i // group_size for i in range(batch)]
+    run = lambda cut, n_turns, n_tok: rollout.rollout(
+        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
+        max_turns=n_turns, max_actions_per_turn=4, max_new_tokens=n_tok, think=False, stop_at_answer=cut, sample_seed=0)
+    run(True, 1, 2)  # warm-up
+    times, outs = interleaved({"cut": lambda: run(True, turns, turn_tokens),
+                               "uncut": lambda: run(False, turns, turn_tokens)}, repeats)
+    per_turn = {k: (o["stats"]["response_tokens"].sum() / o["stats"]["num_turns"].sum()).item() for k, o in outs.items()}
+    print(f"answer cut   batch {batch} (groups of {group_size})  {turns} turns x <= {turn_tokens} tok, CoordFrozenLakeDet")
+    print(f"  cut {spread(times['cut'])}   uncut {spread(times['uncut'])}   speed-up {ratio(times['uncut'], times['cut'])}   "
+          f"sampled tokens per turn: cut {per_turn['cut']:.1f}, uncut {per_turn['uncut']:.1f}")
+    return times, per_turn
+
+
+def time_prefill_buckets(model, tok, prompts, new_tokens, group_size, turns, turn_tokens, device, repeats=3):
+    """Prefill shapes rounded up to rollout.PREFILL_MULTIPLE (the default) against exact lengths (multiple 1),
+    interleaved: single-turn sampling of `prompts`, and with a tokenizer a multi-turn Sokoban rollout (every turn's
+    append is a prefill). In fp32 on the CPU both sides sample the same tokens (printed); in bf16 on CUDA a token
+    may differ where two logits are within rounding (the GEMMs have other shapes)."""
+    from env_sokoban import PRESETS, SokobanEnv
+    kind = torch.device(device).type
+    bucketed = rollout.PREFILL_MULTIPLE[kind]
+    preset, B = PRESETS["SimpleSokoban"], len(prompts)
+
+    def at(multiple, fn):  # fn run with prefill shapes rounded up to `multiple`
+        def run():
+            rollout.PREFILL_MULTIPLE[kind] = multiple
+            try:
+                return fn()
+            finally:
+                rollout.PREFILL_MULTIPLE[kind] = bucketed
+        return run
+    cases = {"sampler": lambda: rollout.generate(model, prompts, new_tokens, stop_ids=(), seed=0)}
+    if tok is not None:
+        cases["multi-turn"] = lambda: rollout.rollout(
+            model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(B)], [i // group_size for i in range(B)], preset,
+            group_size=group_size, max_turns=turns, max_new_tokens=turn_tokens, sample_seed=0)
+    every = {}
+    for name, fn in cases.items():
+        for m in (bucketed, 1):  # warm-up (on CUDA: compilation and graph capture)
+            at(m, fn)()
+        sides = {f"multiple {bucketed}": at(bucketed, fn), "exact lengths": at(1, fn)}
+        times, outs = every[name] = interleaved(sides, repeats, device)
+        a, b = outs.values()
+        same = a[0] == b[0] if name == "sampler" else torch.equal(a["tokens"], b["tokens"])
+        print(f"prefill      {name:10s} batch {B}  multiple {bucketed}: {spread(times[f'multiple {bucketed}'])}   exact: "
+              f"{spread(times['exact lengths'])}   speed-up {ratio(times['exact lengths'], times[f'multiple {bucketed}'])}"
+              f"   same tokens: {same}")
+    return {name: times for name, (times, _) in every.items()}
+
+
 def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, rounds=3):
     """What a context window costs (rollout's max_context_window): when a window drops a turn the KV-cache row is
     prefilled again from slot 0. Prefilled tokens are exact; times are the min of interleaved rounds."""
@@ -220,27 +280,20 @@ def time_envs(n_seeds):
     """Median reset and step time per preset over n_seeds seeds (one random valid action per seed)."""
     import random
     import statistics
-    import env_bandit
-    import env_countdown
-    import env_frozenlake
-    import env_sokoban
-    import env_webshop
-    for cls, presets in ((env_bandit.BanditEnv, env_bandit.PRESETS), (env_sokoban.SokobanEnv, env_sokoban.PRESETS),
-                         (env_frozenlake.FrozenLakeEnv, env_frozenlake.PRESETS), (env_webshop.WebShopEnv, env_webshop.PRESETS),
-                         (env_countdown.CountdownEnv, env_countdown.PRESETS)):
-        for name, preset in presets.items():
-            env, resets, steps = cls(**preset["kwargs"]), [], []
-            for seed in range(n_seeds):
-                t = time.perf_counter()
-                env.reset(seed)
-                resets.append(time.perf_counter() - t)
-                rng = random.Random(seed)  # Countdown takes free text: the random policy's expression
-                action = rng.choice(env.actions()) if env.actions() else env_countdown.random_answer(env.nums, rng)
-                t = time.perf_counter()
-                env.step(action)
-                steps.append(time.perf_counter() - t)
-            print(f"env          {name:18s} median reset {statistics.median(resets) * 1e3:7.3f} ms   "
-                  f"median step {statistics.median(steps) * 1e3:7.3f} ms   ({n_seeds} seeds)")
+    import agent
+    for name, (cls, preset, module) in agent.ENV_CLASSES.items():
+        env, resets, steps = cls(**preset["kwargs"]), [], []
+        for seed in range(n_seeds):
+            t = time.perf_counter()
+            env.reset(seed)
+            resets.append(time.perf_counter() - t)
+            rng = random.Random(seed)  # free-text envs (Countdown) have no action list: their random policy's answer
+            action = rng.choice(env.actions()) if env.actions() else module.random_actions(env, 1, rng)[0]
+            t = time.perf_counter()
+            env.step(action)
+            steps.append(time.perf_counter() - t)
+        print(f"env          {name:18s} median reset {statistics.median(resets) * 1e3:7.3f} ms   "
+              f"median step {statistics.median(steps) * 1e3:7.3f} ms   ({n_seeds} seeds)")
 
 
 def qwen25_05b_random(device, dtype, layers=24):
@@ -257,6 +310,69 @@ def qwen25_05b_random(device, dtype, layers=24):
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
                   rms_norm_eps=1e-6)
+QWEN25_3B = dict(QWEN25_05B, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16)
+QWEN25_7B = dict(QWEN25_05B, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+# ------------------------------------------------------------------------------------------------ memory plan tables
+# results/README.md's two memory-plan tables are printed by `bench.py --plan --markdown` from these lists, and
+# test_memory_plan_tables_are_what_bench_prints fails while the committed tables differ from what it prints.
+# The paper's StarPO-S PPO configuration (train.py's defaults, which are plan_memory's: 8 groups x 16, mini-batch 32,
+# micro-batch 4, --max-context 3600), bf16, Qwen2.5-0.5B: (setting, card GB, what the setting changes)
+PLAN_SETTINGS = [("1 × 24 GB", 24, {}),
+                 ("1 × 24 GB, `--grad-checkpointing --micro-batch-size 1`", 24, dict(ckpt=True, micro=1)),
+                 ("1 × 24 GB, `--algo grpo --grad-checkpointing`", 24, dict(ckpt=True, critic=False)),
+                 ("1 × H100 80 GB", 80, {}),
+                 ("1 × H100, `--grad-checkpointing`", 80, dict(ckpt=True)),
+                 ("8 × H100 (per rank)", 80, dict(world=8)),
+                 ("8 × H100, `--grad-checkpointing`", 80, dict(world=8, ckpt=True))]
+# The README's GPU commands and RAGEN-2's main table on 80 GB cards: (model, its shape, ranks, train.py flags, what
+# the flags set in plan_memory). test_memory_plan_commands_are_what_train_py_plans runs `train.py --plan RANKS` on
+# each and compares its total and its "fits with" flags.
+PLAN_COMMANDS = [
+    ("Qwen2.5-0.5B-Instruct", QWEN25_05B, 1, "--env sokoban --algo ppo", {}),
+    ("Qwen2.5-0.5B-Instruct", QWEN25_05B, 8, "--env sokoban --algo ppo", dict(world=8)),
+    ("Qwen2.5-0.5B-Instruct", QWEN25_05B, 8, "--env sokoban --algo ppo --vanilla", dict(world=8, ref=True)),
+    ("Qwen2.5-0.5B-Instruct", QWEN25_05B, 8, "--env sokoban --algo grpo", dict(world=8, critic=False)),
+    ("Qwen2.5-3B", QWEN25_3B, 4, "--env CoordSokoban --algo ppo --grad-checkpointing", dict(world=4, ckpt=True)),
+    ("Qwen2.5-3B", QWEN25_3B, 4, "--env CoordSokoban --algo ppo", dict(world=4)),
+    ("Qwen2.5-3B", QWEN25_3B, 4, "--env CoordSokoban --algo grpo --grad-checkpointing", dict(world=4, ckpt=True, critic=False)),
+    ("Qwen2.5-3B", QWEN25_3B, 4, "--env CoordSokoban --algo grpo", dict(world=4, critic=False)),
+    ("Qwen2.5-7B-Instruct", QWEN25_7B, 8, "--env sokoban --algo ppo --grad-checkpointing", dict(world=8, ckpt=True)),
+    ("Qwen2.5-7B-Instruct", QWEN25_7B, 8, "--env sokoban --algo ppo --grad-checkpointing --kl-coef 0.001",
+     dict(world=8, ckpt=True, ref=True)),
+]
+
+
+def plan_tables():
+    """results/README.md's memory-plan tables in markdown, from memplan: (the paper's configuration by part on three
+    cards, the totals of PLAN_COMMANDS on 80 GB cards)."""
+    import memplan
+    from transformers import Qwen2Config
+    gb = lambda *v: f"{sum(v) / memplan.GIB:.2f}"
+    rows = ["| setting | weights + grads + AdamW | critic | rollout copy | KV pool | activations (+ recompute) | "
+            "weight casts | grad buffers | log-prob chunk + backward | total | fits? |", "|---" * 11 + "|"]
+    for name, card, kw in PLAN_SETTINGS:
+        p = memplan.plan_memory(Qwen2Config(**QWEN25_05B), **kw)
+        if p["reference"] or p["lora_base"]:
+            raise ValueError(f"plan_tables: {name}: the table has no column for the reference model or the LoRA base")
+        rows.append(f"| {name} | {gb(p['weights'], p['grads'], p['adamw'])} | {gb(p['critic'])} | {gb(p['rollout_copy'])} "
+                    f"| {gb(p['kv_pool'])} | {gb(p['activations'])} (+{gb(p['recompute'])}) | {gb(p['weight_casts'])} "
+                    f"| {gb(p['grad_buffers'])} | {gb(p['logprob_chunk'], p['logprob_backward'])} | {gb(p['total'])} "
+                    f"| {'yes' if memplan.fits(p['total'], card * memplan.GIB) else '**no**'} |")
+    settings = "\n".join(rows)
+    rows = ["| model | ranks | `train.py` flags | per rank | fits? |", "|---|---|---|---|---|"]
+    for model, shape, ranks, flags, kw in PLAN_COMMANDS:
+        cfg, card = Qwen2Config(**shape), 80 * memplan.GIB
+        total = memplan.plan_memory(cfg, **kw)["total"]
+        if memplan.fits(total, card):
+            fit = "yes"
+        else:  # what train.py --plan names: the flags that make it fit, from plan_memory's defaults for the rest
+            fix = memplan.fitting_flags(cfg, dict(dict(world=1, micro=4, ckpt=False), **kw), card)
+            fit = f"**no**; fits with `{fix}`" if fix else "**no**; nothing `train.py --plan` suggests fits it"
+        rows.append(f"| {model} | {ranks} | `{flags}` | {gb(total)} GB | {fit} |")
+    return settings, "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------------------------ paper-shape dry run
@@ -296,12 +412,12 @@ STEP_SIDES = {"before": "--no-prefix-sharing",  # the one speed-up a flag turns 
               "after": ""}                      # the defaults
 
 
-def time_step(model, repeats, threads, against=None):
+def time_step(model, repeats, threads, against=None, before=None):
     """One train.py step (STEP) per side, sides interleaved `repeats` times, each a fresh process on the same seed;
     per phase (train.py's timing_s/*) the min and spread of each side and the speed-up. Sides: STEP_SIDES, or with
     `against` (another checkout, e.g. a git worktree of an older commit) that checkout's train.py against this
-    one's, both with the defaults. The sides must compute the same step: the scores and losses are printed side
-    by side."""
+    one's, both with the defaults; with `before` (flags), this checkout with those flags against its defaults.
+    The scores, losses and sampled tokens are printed side by side."""
     import json
     import os
     import subprocess
@@ -309,6 +425,8 @@ def time_step(model, repeats, threads, against=None):
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
     sides = {"before": (against, ""), "after": (here, "")} if against else {k: (here, v) for k, v in STEP_SIDES.items()}
+    if before is not None:
+        sides = {"before": (here, before), "after": (here, "")}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else dict(os.environ)
     times, last = {name: {} for name in sides}, {}
     for _ in range(repeats):
@@ -330,7 +448,8 @@ def time_step(model, repeats, threads, against=None):
         gain = ratio(ta, tb) if min(ta) > 0.05 and min(tb) > 0.05 else "(phase skipped)"
         print(f"  {phase:10s} {a} {spread(ta)}  ->  {b} {spread(tb)}   {gain}")
     env_key = "train/CoordFrozenLakeDet/"
-    for k in (env_key + "score", env_key + "prefill_tokens", env_key + "prefill_saved", "critic/vf_loss", "actor/pg_loss",
+    for k in (env_key + "score", env_key + "response_tokens", env_key + "num_turns", env_key + "prefill_tokens",
+              env_key + "prefill_saved", "critic/vf_loss", "actor/pg_loss",
               "actor/ratio_max", "rollout/sampler_logp_abs_diff"):
         print(f"  {k:40s} " + "   ".join(f"{name} {last[name].get(k, float('nan')):.6g}" for name in sides))
     return times, last
@@ -526,9 +645,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "window", "decode", "envs", "logprobs", "step"],
-                        help="which measurement (window: the KV-row rebuilds of a context window; not in all)")
+    parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "cut", "window", "decode", "envs", "logprobs", "step",
+                                                          "prefill"],
+                        help="which measurement (window: the KV-row rebuilds of a context window; prefill: bucketed "
+                        "prefill shapes against exact lengths; neither in all)")
     parser.add_argument("--plan", action="store_true", help="print the memory plan of the paper's config on 24 GB, 1 and 8 H100s")
+    parser.add_argument("--markdown", action="store_true", help="with --plan: results/README.md's memory-plan tables, "
+                        "also the README's GPU commands (the suite compares them with the committed ones)")
     parser.add_argument("--dry-run", type=int, default=0, metavar="LAYERS", help="one train.py step on the Qwen2.5-0.5B "
                         "shape cut to LAYERS layers (24 = the real depth)")
     parser.add_argument("--sampler", default="compiled", help="dry run: train.py --sampler")
@@ -543,22 +666,24 @@ if __name__ == "__main__":
     parser.add_argument("--env-seeds", type=int, default=1000, help="envs bench: seeds per preset")
     parser.add_argument("--against", metavar="DIR", help="step bench: time DIR's train.py (another checkout, e.g. `git "
                         "worktree add DIR <commit>`) against this one's, both with the defaults")
+    parser.add_argument("--before", metavar="FLAGS", help="step bench: this checkout with FLAGS (one string, e.g. "
+                        "--before=--no-stop-at-answer) against its defaults")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side, the sides interleaved (ratios: min over min)")
     parser.add_argument("--gpu-check", action="store_true", help="PASS / FAIL checks of the GPU path (on the CPU: "
                         "with the CUDA-graph emulations); exits 1 on any FAIL")
     args = parser.parse_args()
     if args.gpu_check:
         raise SystemExit(1 if gpu_check("cuda" if torch.cuda.is_available() else "cpu", bandwidth=args.bandwidth) else 0)
-    if args.plan:  # the paper's StarPO-S PPO config: 8 groups x 16, max_context 3600, micro-batch 4, bf16
+    if args.plan and args.markdown:  # results/README.md's two tables, to paste over the committed ones
+        print("\n\n".join(plan_tables()))
+        raise SystemExit
+    if args.plan:  # the paper's StarPO-S PPO config by part, each part on its own (PLAN_SETTINGS)
         import memplan
         from transformers import Qwen2Config
         cfg = Qwen2Config(**QWEN25_05B)
-        for name, gb, kw in [("1 x 24 GB", 24, {}), ("1 x 24 GB, ckpt, micro 1", 24, dict(ckpt=True, micro=1)),
-                             ("1 x 24 GB, grpo, ckpt", 24, dict(ckpt=True, critic=False)),
-                             ("1 x H100 80 GB", 80, {}), ("1 x H100, --grad-checkpointing", 80, dict(ckpt=True)),
-                             ("8 x H100 (per rank)", 80, dict(world=8)), ("8 x H100, --grad-checkpointing", 80, dict(world=8, ckpt=True))]:
+        for name, gb, kw in PLAN_SETTINGS:
             part = memplan.plan_memory(cfg, **kw)  # train.py --plan prints the same for any flags
-            print(f"{name:34s} " + "  ".join(f"{k} {v / 2**30:5.2f}" for k, v in part.items() if k != "total") +
+            print(f"{name.replace('`', ''):54s} " + "  ".join(f"{k} {v / 2**30:5.2f}" for k, v in part.items() if k != "total") +
                   f"  | total {part['total'] / 2**30:6.2f} GB of {gb} -> "
                   f"{'fits' if memplan.fits(part['total'], gb * 2**30) else 'does NOT fit'}")
         raise SystemExit
@@ -568,7 +693,7 @@ if __name__ == "__main__":
     if args.repeats < 1:
         raise SystemExit("bench.py: --repeats must be >= 1")
     if args.only == "step":  # train.py processes: the model loads in each
-        time_step(args.model, args.repeats, args.threads, args.against)
+        time_step(args.model, args.repeats, args.threads, args.against, args.before)
         raise SystemExit
     if args.only in ("all", "envs"):
         time_envs(args.env_seeds)
@@ -589,6 +714,12 @@ if __name__ == "__main__":
                         args.repeats)
     if tok is not None and args.only in ("all", "kv"):
         time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, args.repeats)
+    if tok is not None and args.only == "cut":
+        time_answer_cut(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, args.repeats)
+    if args.only == "prefill":  # rollout.PREFILL_MULTIPLE against exact lengths, side by side
+        ragged = [torch.randint(0, model.config.vocab_size, (args.prompt_len - i % 61,)).tolist() for i in range(args.batch)]
+        time_prefill_buckets(model, tok, first_turn_prompts(tok, args.batch) if tok is not None else ragged,
+                             args.new_tokens, args.group_size, args.turns, args.turn_tokens, args.device, args.repeats)
     if tok is not None and args.only == "window":
         time_windows(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, rounds=args.repeats)
     if tok is not None and args.only == "logprobs":

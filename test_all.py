@@ -25,9 +25,11 @@ import torch
 
 from env_bandit import BanditEnv, PRESETS as BANDIT_PRESETS
 import env_countdown as CD
+import env_cue
 from env_frozenlake import FrozenLakeEnv, PRESETS as FROZENLAKE_PRESETS, has_path
 from env_sokoban import SokobanEnv, PRESETS as SOKOBAN_PRESETS, solve
 import env_webshop as W
+import agent
 import collapse
 import eval as ev
 import rollout
@@ -47,13 +49,17 @@ ENV_PRESETS = [(cls, name) for cls, presets in ALL_PRESETS for name in presets]
 
 
 def test_presets_follow_the_interface():
-    assert set(BANDIT_PRESETS) == {"Bandit", "BanditTest", "BanditGen", "BanditGenTest", "BanditRev", "BanditRevTest"}
+    assert set(BANDIT_PRESETS) == {"Bandit", "BanditTest", "BanditGen", "BanditGenTest", "BanditRev", "BanditRevTest",
+                                   "Bandit2", "Bandit2Test"}
     assert set(SOKOBAN_PRESETS) == {"SimpleSokoban", "LargerSokoban", "SokobanNewVocab", "CoordSokoban"}
     assert set(FROZENLAKE_PRESETS) == {"FrozenLake", "CoordFrozenLake", "CoordFrozenLakeDet"}
     for cls, name in ENV_PRESETS:
         preset = (BANDIT_PRESETS | SOKOBAN_PRESETS | FROZENLAKE_PRESETS)[name]
         assert {"kwargs", "instruction", "max_actions_per_traj", "max_tokens"} <= set(preset)
-        assert set(preset) <= {"kwargs", "instruction", "max_actions_per_traj", "max_tokens", "max_turns", "max_actions_per_turn"}
+        assert set(preset) <= {"kwargs", "instruction", "max_actions_per_traj", "max_tokens", "max_turns", "max_actions_per_turn",
+                               "instruction_in_system", "seed_per_member"}
+        # RAGEN-2's presets (Coord*, Bandit2*) put the instruction in the system message; v1's open the first user message with it
+        assert preset.get("instruction_in_system", False) == (name.startswith("Coord") or name.startswith("Bandit2"))
         env = cls(**preset["kwargs"])
         assert isinstance(env.reset(0), str) and env.render() == env.reset(0)
         assert preset["max_tokens"] == (120 if name.startswith("Coord") else 100)  # RAGEN-2 gives Coord tags 120
@@ -163,6 +169,47 @@ def test_bandit_payout_means():
     assert abs(sum(hi) / 4000 - 0.25) < 4 * math.sqrt(0.25 * 0.75 / 4000)
     # RAGEN's own env gave a high-arm mean of 0.2445 over 2000 seeds; ours draws the same numbers
     assert sum(hi[:2000]) / 2000 == pytest.approx(0.2445)
+
+
+def test_bandit2_members_differ_and_a_group_reproduces(tiny):
+    # RAGEN-2 (ragen/env/bandit/env.py): each member of a group resets from its own seed, then draws its name pair
+    # from a pool, the order the names are shown in, and the payout; v1's group shares all three
+    preset, test = BANDIT_PRESETS["Bandit2"], BANDIT_PRESETS["Bandit2Test"]
+    pool = preset["kwargs"]["pairs"]
+    names = lambda pairs: {name for pair in pairs for name in pair}
+    assert len(names(pool)) == 24 and len(names(test["kwargs"]["pairs"])) == 16
+    assert not names(pool) & names(test["kwargs"]["pairs"])  # no name of the validation pool is trained on
+    env, again = BanditEnv(**preset["kwargs"]), BanditEnv(**preset["kwargs"])
+    pairs, orders, draws = set(), set(), set()
+    for m in range(16):
+        obs = env.reset(7, member=m)
+        assert again.reset(7, member=m) == obs  # reproducible from (group seed, member)
+        pairs.add((env.lo_arm_name, env.hi_arm_name))
+        orders.add(env.actions()[0] == env.lo_arm_name)
+        out = env.step(env.hi_arm_name)
+        assert again.step(again.hi_arm_name) == out
+        draws.add(out[1])
+    assert len(pairs) > 4 and pairs <= set(pool) and orders == {True, False} and draws == {0.0, 1.0}
+    child = np.random.default_rng(np.random.SeedSequence(7).spawn(4)[3])  # member 3: the group seed's 4th child
+    lo, hi = pool[int(child.random() * len(pool))]                         # RAGEN-2's draws: pair, order, payout
+    assert env.reset(7, member=3).split("named ")[1].startswith(f"{lo} and {hi}\n" if child.random() < 0.5 else f"{hi} and {lo}\n")
+    assert env.step(hi)[1] == (1.0 if child.random() < 0.25 else 0.0)
+    with pytest.raises(ValueError, match="member"):
+        env.reset(7, member=-1)
+
+    model, tok = tiny  # rollout resets member b of a group with b % group_size, whatever the batch around it
+
+    def play(seeds, preset):
+        envs = [BanditEnv(**preset["kwargs"]) for _ in seeds]
+        return rollout.rollout(model, tok, envs, seeds, preset, group_size=4, max_turns=1, max_new_tokens=6)["text"]
+    both = play([7] * 4 + [8] * 4, preset)
+    prompts = [t.split("<|im_start|>assistant")[0] for t in both]
+    assert [p.split("State:\n")[1].split("\nYou have 1 actions left")[0] for p in prompts] == \
+        [env.reset(s, member=m) for s in (7, 8) for m in range(4)]
+    assert len(set(prompts[:4])) > 1 and len(set(prompts[4:])) > 1
+    assert play([8] * 4, preset) == both[4:]
+    v1 = [t.split("<|im_start|>assistant")[0] for t in play([7] * 4, BANDIT_PRESETS["Bandit"])]
+    assert len(set(v1)) == 1  # v1: one episode per group
 
 
 # ------------------------------------------------------------------ Sokoban
@@ -346,8 +393,8 @@ def test_coord_renders_hand_worked():
     assert obs.split("\n")[3:7] == ["Targets: (1, 1), (1, 3)", "Boxes: (2, 2)", "Boxes on target: (1, 1)",
                                     "Player on target: (1, 3)"] and "\nPlayer: " not in obs
     lake = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"])
-    assert lake.reset(10000) == ("Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (3, 1)\n"
-                                 "Goal: (3, 0)\nPlayer: (3, 1)\nHoles: (2, 3)\nGrid Map: \n____\n____\n___O\nGP__")
+    assert lake.reset(10001) == ("Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (2, 0)\n"
+                                 "Goal: (0, 1)\nPlayer: (2, 0)\nHoles: (1, 3), (2, 2)\nGrid Map: \n_G__\n___O\nP_O_\n____")
     det = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLakeDet"]["kwargs"])
     det.reset(10000)
     assert det.step("Left")[0].split("\n")[4] == "Player on goal: (3, 0)"
@@ -355,31 +402,113 @@ def test_coord_renders_hand_worked():
     obs = det.step("Down")[0]
     assert "Player in hole: (1, 1)\nHoles: (1, 1)\n" in obs and "Start" not in obs and obs.endswith("____\n_X__\n____\n___G")
     for name, presets in (("CoordSokoban", SOKOBAN_PRESETS), ("CoordFrozenLake", FROZENLAKE_PRESETS)):
-        ins = presets[name]["instruction"]
-        assert "zero-indexed coordinates" in ins and "The meaning of each symbol" not in ins  # RAGEN-2: no legend
-        assert ins.endswith('</answer>.\n\nYour available actions are:\n' + ", ".join(presets is SOKOBAN_PRESETS and
-                            ["Up", "Down", "Left", "Right"] or ["Left", "Down", "Right", "Up"])
-                            + '\nYou can make up to 10 actions, separated by the action separator " || "\n')
         assert (presets[name]["max_turns"], presets[name]["max_actions_per_turn"]) == (5, 2)  # RAGEN-2 base.yaml
 
 
 def test_coord_frozenlake_lakes_are_ragen2s():
-    def ragen2_lake(seed):  # RAGEN-2 frozen_lake/utils.py generate_random_map, as a plain loop
-        rng = np.random.default_rng(seed)
+    # RAGEN-2 frozen_lake/config.py FrozenLakeEnvConfig: p 0.9 (frozen tiles), success_rate 0.8; config/envs.yaml
+    # CoordFrozenLake sets success_rate 0.8, _3_frozen_lake.yaml (the main table) success_rate 1
+    for name, success_rate in (("CoordFrozenLake", 0.8), ("CoordFrozenLakeDet", 1.0)):
+        env = FrozenLakeEnv(**FROZENLAKE_PRESETS[name]["kwargs"])
+        assert (env.size, env.p, env.is_slippery, env.success_rate) == (4, 0.9, True, success_rate), name
+    v1 = FrozenLakeEnv(**FROZENLAKE_PRESETS["FrozenLake"]["kwargs"])
+    assert (v1.p, v1.success_rate) == (0.8, 1 / 3)  # RAGEN v1: gymnasium's slippery ice
+
+    def reachable(board, start):  # RAGEN-2 utils.py is_valid: depth-first from S, a G next to a visited tile wins
+        frontier, seen = [start], set()
+        while frontier:
+            r, c = frontier.pop()
+            if (r, c) in seen:
+                continue
+            seen.add((r, c))
+            for dr, dc in [(1, 0), (0, 1), (-1, 0), (0, -1)]:
+                if 0 <= r + dr < 4 and 0 <= c + dc < 4:
+                    if board[r + dr][c + dc] == "G":
+                        return True
+                    if board[r + dr][c + dc] != "H":
+                        frontier.append((r + dr, c + dc))
+        return False
+
+    def ragen2_lake(seed):  # RAGEN-2 frozen_lake/utils.py generate_random_map(4, 0.9, seed), as a plain loop
+        rng = np.random.default_rng(seed)  # gymnasium seeding.np_random(seed)
         while True:
-            board = [list(row) for row in rng.choice(["F", "H"], (4, 4), p=[0.8, 0.2])]
+            board = [list(row) for row in rng.choice(["F", "H"], (4, 4), p=[0.9, 1 - 0.9])]
             (sr, sc), (gr, gc) = rng.integers(4, size=2), rng.integers(4, size=2)
             if (sr, sc) != (gr, gc):
                 board[sr][sc], board[gr][gc] = "S", "G"
-                if has_path(["".join(r) for r in board], (int(sr), int(sc))):
+                if reachable(board, (int(sr), int(sc))):
                     return ["".join(r) for r in board]
-    coord, plain, differ = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"]), FrozenLakeEnv(), 0
+    coord, v1_rule = FrozenLakeEnv(**FROZENLAKE_PRESETS["CoordFrozenLake"]["kwargs"]), FrozenLakeEnv(p=0.9)
+    differ = holes = 0
     for seed in range(600):
         coord.reset(seed)
-        plain.reset(seed)
+        v1_rule.reset(seed)
         assert coord.desc == ragen2_lake(seed)
-        differ += coord.desc != plain.desc
+        differ += coord.desc != v1_rule.desc
+        holes += "".join(coord.desc).count("H")
     assert 10 < differ < 80  # RAGEN-2 draws a new board when start == goal, RAGEN new cells: about 1 seed in 15
+    assert abs(holes / (600 * 14) - 0.1) < 0.03  # the 14 tiles besides S and G: about 1 in 10 a hole (solvable lakes only)
+
+
+def first_prompt(model, tok, preset, env, seed, **kw):
+    """The text of episode `seed`'s first prompt as rollout() builds it, up to and including the forced '<think>'."""
+    text = rollout.rollout(model, tok, [env], [seed], preset, group_size=1, max_turns=1, max_new_tokens=2, greedy=True,
+                           **kw)["text"][0]
+    return text[:text.index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n<think>")]
+
+
+def test_coord_prompts_are_ragen2s(tiny):
+    # RAGEN-2 ctx_manager: system = "You're a helpful assistant. " + env_instruction + legend + action list (the Coord
+    # tags set observation_format under env_config, so the tag's top-level value is the default "grid": legend shown);
+    # the first user message is the "\nTurn 1:" block alone. Written out by hand from config/envs.yaml and the
+    # FrozenLakeEnvConfig / SokobanEnvConfig grid_vocab and action_lookup, through the tiny model's ChatML. The lake is
+    # RAGEN-2's generate_random_map(4, 0.9, 10001) (S (2, 0), G (0, 1), H (1, 3) and (2, 2)) in its grid_coord render
+    model, tok = tiny
+    tail = ("You have 10 actions left. Always output: <think> [Your thoughts] </think> <answer> [your answer] </answer> "
+            "with no extra text. Strictly follow this format. Max response length: 120 words (tokens).\n"
+            "<|im_end|>\n<|im_start|>assistant\n<think>")
+    lake = ("<|im_start|>system\nYou're a helpful assistant. You are solving the FrozenLake puzzle. The observation "
+            "includes both a symbol grid and zero-indexed coordinates for the start, goal, player, and any holes.\n"
+            "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5).\n"
+            "Beware that the ice is slippery, so the agent might slide and end up in an unintended tile.\n"
+            "Respond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n\n"
+            "The meaning of each symbol in the state is:\n"
+            "P: player, _: empty, O: hole, G: goal, X: player in hole, √: player on goal\n"
+            "Your available actions are:\nLeft, Down, Right, Up\n"
+            'You can make up to 10 actions, separated by the action separator " || "\n<|im_end|>\n'
+            "<|im_start|>user\n\nTurn 1:\nState:\nCoordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\n"
+            "Start: (2, 0)\nGoal: (0, 1)\nPlayer: (2, 0)\nHoles: (1, 3), (2, 2)\nGrid Map: \n_G__\n___O\nP_O_\n____\n" + tail)
+    for name in ("CoordFrozenLake", "CoordFrozenLakeDet"):  # RAGEN-2's lake for seed 10001 (p 0.9): the same in both
+        preset = FROZENLAKE_PRESETS[name]
+        assert first_prompt(model, tok, preset, FrozenLakeEnv(**preset["kwargs"]), 10001) == lake
+    room = ("<|im_start|>system\nYou're a helpful assistant. You are solving the Sokoban puzzle. You are the player and "
+            "you need to push all boxes to targets.\nYou are provided with a symbol grid and the zero-indexed coordinates "
+            "of the player, each box, and each target. \nCoordinates range from the top-left corner (0, 0) to the "
+            "bottom-right corner (5, 5). \nWhen you are exactly next to a box, you can push it by moving in the same "
+            "direction. \nYou cannot push a box through a wall, and you cannot pull a box.\n"
+            "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n\n"
+            "The meaning of each symbol in the state is:\n"
+            "#: wall, _: empty, O: target, √: box on target, X: box, P: player, S: player on target\n"
+            "Your available actions are:\nUp, Down, Left, Right\n"
+            'You can make up to 10 actions, separated by the action separator " || "\n<|im_end|>\n'
+            "<|im_start|>user\n\nTurn 1:\nState:\nCoordinates: \nBoard size: 6 rows x 6 cols (zero-indexed).\n"
+            "Walls: (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 2), (1, 3), (1, 4), (1, 5), (2, 0), (2, 3), "
+            "(2, 4), (2, 5), (3, 0), (3, 3), (3, 4), (3, 5), (4, 0), (4, 4), (4, 5), (5, 0), (5, 1), (5, 2), (5, 3), (5, 4), "
+            "(5, 5)\nTargets: (1, 1)\nBoxes: (3, 1)\nPlayer: (4, 2)\n"
+            "Grid Map: \n######\n#O####\n#__###\n#X_###\n#_P_##\n######\n" + tail)
+    preset = SOKOBAN_PRESETS["CoordSokoban"]
+    assert first_prompt(model, tok, preset, SokobanEnv(**preset["kwargs"]), 10000) == room
+    # v1 presets: the system message is "You're a helpful assistant. " alone, the instruction opens the user message
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    assert first_prompt(model, tok, preset, SokobanEnv(**preset["kwargs"]), 10000) == (
+        "<|im_start|>system\nYou're a helpful assistant. <|im_end|>\n<|im_start|>user\n" + preset["instruction"]
+        + "\nTurn 1:\nState:\n######\n#O####\n#__###\n#X_###\n#_P_##\n######\n" + tail.replace("120 words", "100 words"))
+    # single_turn retells earlier turns in the user message; the instruction stays in the system message (RAGEN-2)
+    preset = SOKOBAN_PRESETS["CoordSokoban"]
+    out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"])], [10000], preset, group_size=1, max_turns=2,
+                          max_new_tokens=2, window=2, window_mode="single_turn")
+    second = tok.decode(out["tokens"][1][out["attention_mask"][1]])  # the row of turn 2
+    assert second.startswith(room.split("<|im_start|>user\n")[0] + "<|im_start|>user\nSummary: 1 step(s) completed")
 
 
 # ------------------------------------------------------------------ WebShop: catalog, goals, splits
@@ -784,6 +913,24 @@ def test_countdown_episode_protocol():
     assert p["instruction"].startswith("You are solving the Countdown puzzle. You should use the num list to create")
     assert p["instruction"].endswith("So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - 3</answer>")
     assert (p["max_actions_per_traj"], p["max_turns"], p["max_actions_per_turn"], p["max_tokens"]) == (1, 1, 1, 100)
+    assert p["instruction_in_system"] is True  # RAGEN-2's preset: the instruction is in the system message
+
+
+def test_countdown_prompt_is_ragen2s(tiny):
+    # RAGEN-2 ctx_manager: system = "You're a helpful assistant. " + env_instruction, nothing more: CountdownEnvConfig
+    # has no grid_vocab and no action_lookup, so no legend and no action list (the instruction ends at "</answer>",
+    # right before <|im_end|>); the first user message is the "\nTurn 1:" block alone, with max_actions_per_traj 1 left
+    # and the tag's max_tokens 100. Written out by hand from config/envs.yaml, through the tiny model's ChatML
+    model, tok = tiny
+    preset = CD.PRESETS["Countdown"]
+    assert first_prompt(model, tok, preset, CD.CountdownEnv(**preset["kwargs"]), 10000) == (
+        "<|im_start|>system\nYou're a helpful assistant. You are solving the Countdown puzzle. You should use the num "
+        "list to create an equation that equals the target. Example answer format: <think> To find an equation using "
+        "[3, 5, 2] to get 4. Let's check 2 + 5 = 7, 7 - 3 = 4. So the answer is 2 + 5 - 3 = 4. </think><answer>2 + 5 - "
+        "3</answer><|im_end|>\n<|im_start|>user\n\nTurn 1:\nState:\nTarget: 12, nums: [92, 16, 88]\n"
+        "You have 1 actions left. Always output: <think> [Your thoughts] </think> <answer> [your answer] </answer> "
+        "with no extra text. Strictly follow this format. Max response length: 100 words (tokens).\n"
+        "<|im_end|>\n<|im_start|>assistant\n<think>")
 
 
 def random_tree(rng, depth):
@@ -845,11 +992,12 @@ def test_countdown_garbage_never_raises():
 def test_countdown_leaf_and_wiring():
     code = "import sys, env_countdown; bad = {'torch', 'numpy', 'transformers'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
-    assert ev.ENV_CLASSES["Countdown"][0] is CD.CountdownEnv and ev.preset_name("countdown") == "Countdown"
+    assert agent.ENV_CLASSES["Countdown"][0] is CD.CountdownEnv and agent.preset_name("countdown") == "Countdown"
     for name in NEW_PRESETS:
-        assert name in ev.ENV_CLASSES
-    src = open(os.path.join(HERE, "train.py")).read()  # train.py cannot be imported (it runs): it takes eval's table
-    assert "eval_py.ENV_CLASSES" in src and "eval_py.preset_name" in src and "ENV_CLASSES = {" not in src
+        assert name in agent.ENV_CLASSES
+    for script in ("train.py", "eval.py", "sft.py", "bench.py"):  # one registry, agent.py's: the scripts take it from there
+        src = open(os.path.join(HERE, script)).read()
+        assert "agent.ENV_CLASSES" in src and "ENV_CLASSES = {" not in src and "import env_" not in src, script
 
 
 # ==================================================================================================
@@ -1082,6 +1230,22 @@ def test_group_advantages_match_verl_loops(kind):
     if kind == "rloo":  # the score minus the mean of the others: 1 - 0, 0 - 0.5
         assert close(got[:3], [1.0, -0.5, -0.5])
     assert starpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), kind).shape == (0,)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"])
+def test_group_advantages_of_a_constant_group_are_exactly_zero(kind):
+    # s - mean(s) is one rounding step of the fp32 mean when the mean rounds (8 x -0.1: 7.5e-9), and grpo divides
+    # it by 0 + 1e-6 (8 x -0.1: 0.00745 on every row, 8 x 1.7: 0.119, 8 x -0.3: -0.0298); centred on the values
+    # shifted by the group's first, as the std is, a constant group gives exactly 0 beside any other group
+    for v in (-0.1, 1.7, -0.3, 0.1, 1 / 3, 0.9, 1e6 + 0.1):
+        for n in (2, 3, 5, 8, 16, 128):
+            s = torch.cat([torch.full((n,), v), torch.tensor([0.0, 1.0, 0.5])])  # [n + 3]
+            ids = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(3, dtype=torch.long)])
+            got = starpo.group_advantages(s, ids, kind)
+            assert torch.equal(got[:n], torch.zeros(n)), (v, n, got[:n].unique())
+            assert close(got[n:], slow_group_advantages([0.0, 1.0, 0.5], [1, 1, 1], kind), 1e-5)
+    # normalize_scores' "mean" centres the same way
+    assert torch.equal(starpo.normalize_scores(torch.full((8,), -0.1), 4, "state", "mean"), torch.zeros(8))
 
 
 def test_reinforce_pp_returns_carry_across_observations():
@@ -1895,8 +2059,11 @@ def test_sampler_noise_is_splitmix64_of_the_key_and_the_vocab_index():
         assert tok[b] == (logp[b] - torch.log(-torch.log(u))).argmax() and lp[b] == logp[b, tok[b]]
 
 
-def test_sampling_is_the_same_whatever_the_batch_split(tiny):
-    # what makes 1-process and N-rank training sample the same trajectories: noise keyed per episode
+def test_fp32_cpu_sampling_is_the_same_whatever_the_batch_split(tiny):
+    # what makes 1-process and N-rank training sample the same trajectories: noise keyed per episode, and fp32 CPU
+    # logits that depend on the batch around a row by last-bit rounding at most (MKL picks GEMM kernels by row
+    # count), too little to move a token here. On CUDA in bf16 the noise is the same but the rounding is bf16's,
+    # so a token may differ where two noisy logits are within it (docs/sampler.md)
     model, tok = tiny
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     seeds = [s for s in (5, 6, 7, 8) for _ in range(2)]
@@ -2040,6 +2207,148 @@ def test_smollm2_passes_the_self_check():
     assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
 
 
+# ------------------------------------------------------------------ a turn ends at its closing tag (RAGEN)
+def bigram_model(tok, walk, scale=5.0):
+    """A tiny model that writes text by a table: the next token depends only on the current one, walk[token] =
+    its successors, drawn with equal probability (each successor must have one predecessor for that). Attention
+    and MLP outputs are zeroed, so the last hidden state is the current token's embedding; lm_head row s points
+    along the embeddings of s's predecessors: their logit is ~8 * scale above the rest."""
+    model, _ = rollout.build_tiny()
+    model.resize_token_embeddings(len(tok))
+    V, d = len(tok), model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    E = torch.nn.functional.normalize(torch.randn(V, d, generator=g), dim=1)   # [V, d] unit rows
+    W = torch.zeros(V, d)                                                     # [V, d]
+    for c, nexts in walk.items():
+        for s in nexts:
+            W[s] += E[c] * scale
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(E)
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.lm_head.weight = torch.nn.Parameter(W)  # untied from the embedding
+    return model
+
+
+def script_walk(tok, steps):
+    """walk from (text, [texts]) pairs: the last token of text goes to the first token of each successor text."""
+    one = lambda s: tok.encode(s, add_special_tokens=False)[-1]
+    return {one(a): [one(b) for b in bs] for a, bs in steps}
+
+
+@pytest.fixture(scope="module")
+def tagged():
+    """(model, tok) for both modes. no-think: byte tokens, so '</answer>' spans 9 tokens; after the forced
+    '<answer>' a row writes 'U</answer>' (then 'U</answer>' or 'D...' again: text past the tag) or 'Dxyxy...'
+    (never closes). think: '<think>', '</think>', '<answer>', '</answer>' are single added tokens; a row writes
+    'hm</think><answer>L</answer>zzz...' or 'hm</think><answer>Qkkk...' (never closes)."""
+    _, tok = rollout.build_tiny()
+    tok.add_tokens(["<think>", "</think>"])  # '<answer>' stays bytes in no-think mode; think mode adds it below
+    steps = [(">", ["U", "D"]), ("U", ["<"]), ("<", ["/"]), ("/", ["a"]), ("a", ["n"]), ("n", ["s"]), ("s", ["w"]),
+             ("w", ["e"]), ("e", ["r"]), ("r", [">"]), ("D", ["x"]), ("x", ["y"]), ("y", ["x"])]
+    no_think = (bigram_model(tok, script_walk(tok, steps)), tok)
+    _, tok2 = rollout.build_tiny()
+    tok2.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
+    steps = [("<think>", ["h"]), ("h", ["m"]), ("m", ["</think>"]), ("</think>", ["<answer>"]), ("<answer>", ["L", "Q"]),
+             ("L", ["</answer>"]), ("</answer>", ["z"]), ("z", ["z"]), ("Q", ["k"]), ("k", ["k"])]
+    return {False: no_think, True: (bigram_model(tok2, script_walk(tok2, steps)), tok2)}
+
+
+def answer_spans(out, tok):
+    """The sampled spans of each training row (runs of loss_mask) as text, and the text of the whole row."""
+    spans, texts = [], []
+    for ids, m in zip(out["tokens"].tolist(), out["loss_mask"].tolist()):
+        runs, cur = [], []
+        for i, f in zip(ids, m):
+            if f:
+                cur.append(i)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        spans.append([tok.decode(r) for r in runs + ([cur] if cur else [])])
+        texts.append(tok.decode(ids))
+    return spans, texts
+
+
+def tag_rollout(model, tok, think, **kw):
+    preset = FROZENLAKE_PRESETS["FrozenLake"]
+    envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(8)]
+    kw = dict(dict(max_turns=3, max_new_tokens=24, max_context=4000, think=think), **kw)
+    return rollout.rollout(model, tok, envs, [3] * 4 + [4] * 4, preset, group_size=4, **kw)
+
+
+def test_answer_end_cuts_at_the_token_that_completes_the_pattern(tiny):
+    _, tok = tiny  # byte tokens: the tag is split over 9 tokens
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    cut = rollout.answer_end(tok, "<answer>", False)
+    ids = enc("Up</answer> and more</answer>")
+    assert cut(ids) == len(enc("Up</answer>")) and cut(ids[:len(enc("Up</answer"))]) is None
+    assert cut(enc("Up || Down")) is None and cut([]) is None
+    think = rollout.answer_end(tok, "<think>", True)  # the '</answer>' that completes think-then-answer
+    ids = enc("a</answer> b</think> <answer>Left</answer>zz")
+    assert think(ids) == len(enc("a</answer> b</think> <answer>Left</answer>"))
+    text = "<think>" + tok.decode(ids[:think(ids)])
+    assert rollout.parse_response(text, True, 5) == rollout.parse_response("<think>" + tok.decode(ids), True, 5)
+
+
+@pytest.mark.parametrize("think", [False, True])
+@pytest.mark.parametrize("how", ["kv", "reprefill", "static-check8", "limited_multi_turn"])
+def test_nothing_after_the_closing_tag_is_trained_or_shown_again(tagged, think, how):
+    model, tok = tagged[think]
+    kw = dict(kv="", reprefill=dict(kv_reuse=False), limited_multi_turn=dict(window_mode="limited_multi_turn"),
+              **{"static-check8": dict(sampler=rollout.Sampler(static=True, check_every=8))})[how] or {}
+    cut, uncut = tag_rollout(model, tok, think, **kw), tag_rollout(model, tok, think, stop_at_answer=False, **kw)
+    (spans, texts), (uspans, utexts) = answer_spans(cut, tok), answer_spans(uncut, tok)
+    closed = 0
+    for row, text in zip(spans, texts):
+        for s in row:  # a sampled span ends at its tag, or never closes it (it ran to the budget)
+            closed += s.endswith("</answer>")
+            assert s.count("</answer>") == s.endswith("</answer>")
+        # every assistant turn of the row, this one and those shown again, ends at its tag if it closes it
+        for turn in text.split("<|im_start|>assistant\n")[1:]:
+            said = turn.split("<|im_end|>")[0]
+            assert said.count("</answer>") == said.endswith("</answer>"), said
+    assert closed and any(not s.endswith("</answer>") for row in spans for s in row)  # both kinds occur
+    assert any("</answer>" in s[:-9] for row in uspans for s in row)  # uncut: text past the tag, trained
+    # kept tokens and log-probs are a prefix of the uncut sampler's (the bigram model ignores the context)
+    for r in range(len(spans)):
+        assert len(spans[r]) == len(uspans[r])
+        for s, u in zip(spans[r], uspans[r]):
+            assert u.startswith(s)
+    runs = lambda out, r: [x for x in torch.tensor_split(out["old_logp"][r], torch.nonzero(torch.diff(
+        out["loss_mask"][r].int())).flatten() + 1) if x.any()]  # log-probs of each sampled span (none is exactly 0)
+    for r in range(len(spans)):
+        assert all(torch.equal(k, u[:len(k)]) for k, u in zip(runs(cut, r), runs(uncut, r)))
+    assert cut["stats"]["response_tokens"].sum() < uncut["stats"]["response_tokens"].sum()
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_cut_turns_are_exact_on_every_cache_path(tiny, monkeypatch, think):
+    # a random model whose turns end at the first letter a-m (a stand-in tag it hits every ~20 tokens): the
+    # cache row must roll back to the cut, so every path gives the re-prefill reference's tokens and log-probs
+    model, tok = tiny
+    pattern = r"<think>(.*?)[a-m](.*?)[n-z]" if think else r"<answer>(.*?)[a-m]"
+    monkeypatch.setitem(rollout.TURN_PATTERNS, think, __import__("re").compile(pattern, __import__("re").DOTALL))
+    runs = {how: tag_rollout(model, tok, think, max_new_tokens=30, temperature=1.0, **kw) for how, kw in [
+        ("reprefill", dict(kv_reuse=False)), ("kv", {}), ("check8", dict(sampler=rollout.Sampler(check_every=8))),
+        ("static-check8", dict(sampler=rollout.Sampler(static=True, check_every=8)))]}
+    ref = runs.pop("reprefill")
+    assert 0 < ref["stats"]["response_tokens"].sum() < 8 * 3 * 30  # some turns were cut
+    for how, out in runs.items():
+        assert torch.equal(out["tokens"], ref["tokens"]) and torch.equal(out["loss_mask"], ref["loss_mask"]), how
+        assert torch.allclose(out["old_logp"], ref["old_logp"], atol=1e-5), how
+    # turn 1's kept tokens and log-probs are a prefix of what the uncut sampler draws with the same keys
+    uncut = tag_rollout(model, tok, think, max_new_tokens=30, temperature=1.0, stop_at_answer=False, max_turns=1)
+    first = tag_rollout(model, tok, think, max_new_tokens=30, temperature=1.0, max_turns=1)
+    for r in range(8):
+        m, um = first["loss_mask"][r], uncut["loss_mask"][r]
+        k, u = first["tokens"][r][m], uncut["tokens"][r][um]
+        assert torch.equal(k, u[:len(k)]) and torch.allclose(first["old_logp"][r][m], uncut["old_logp"][r][um][:len(k)])
+    assert any(m.sum() < um.sum() for m, um in zip(first["loss_mask"], uncut["loss_mask"]))
+
+
 # ------------------------------------------------------------------ context windows (RAGEN-2)
 def windowed_rollout(model, tok, **kw):
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
@@ -2133,6 +2442,38 @@ def test_prefix_shared_prefill_is_exact(tiny, static):
         assert b["stats"]["prefill_saved"].sum() == 0 and torch.equal(prefilled, b["stats"]["prefill_tokens"])
         # row 0 computes its whole prompt; the others copy what they share with it (row 3: the instructions)
         assert saved[0] == 0 and (saved[1:] > 0).all() and (saved < prefilled).all()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, static):
+    # every prefill (first prompts, the shared-prefix spans, later turns' appends, re-prefills) runs padded to a
+    # multiple of rollout.PREFILL_MULTIPLE tokens with its key length rounded up alike (at most the cache's slots),
+    # so nearby lengths share one shape; the padding is masked, so the tokens and log-probs are those of the exact
+    # lengths (multiple 1), on the eager cache and the static pool, with KV reuse and with re-prefill
+    model, tok = tiny
+    real, calls = rollout.forward_cached, []
+
+    def recording(model, k_cache, v_cache, lens, ids, n, end):
+        calls.append((ids.shape[1], end, k_cache[0].shape[2]))  # (T, key length, slots)
+        return real(model, k_cache, v_cache, lens, ids, n, end)
+    monkeypatch.setattr(rollout, "forward_cached", recording)
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    for reuse in (True, False):
+        outs, shapes = [], []
+        for multiple in (1, 8):
+            monkeypatch.setattr(rollout, "PREFILL_MULTIPLE", {"cpu": multiple})
+            calls.clear()
+            envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
+            outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4], preset, group_size=3, max_turns=3,
+                                        max_new_tokens=10, max_context=1500, kv_reuse=reuse, sample_seed=1,
+                                        sampler=rollout.Sampler(static=static)))
+            shapes.append([c for c in calls if c[0] > 1])  # the prefills (a decode step has T = 1)
+        exact, bucketed = shapes
+        assert any(t % 8 for t, _, _ in exact) and any(e % 8 for _, e, s in exact if e < s)  # lengths that need it
+        assert len(bucketed) >= len(exact) and all(t % 8 == 0 and (e % 8 == 0 or e == s) for t, e, s in bucketed), bucketed
+        a, b = outs
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
+        assert a["stats"]["num_turns"].min() >= 2  # later turns' appends ran
 
 
 def test_prefix_shared_trunk_passes_are_exact(tiny):
@@ -2604,7 +2945,9 @@ def test_two_ranks_match_one_process(tmp_path, case):
     """One run on 1 process and on 2 torchrun ranks (FSDP2 on gloo). bf16-static-sampler is the CUDA configuration
     on the CPU: bf16 compute (autocast + bf16 rollout copy), the static KV pool with validation chunked into it, FSDP2
     with MixedPrecisionPolicy(bf16 params, fp32 reduce); no trajectory files with --log-trajectories-every 0, not
-    even from validation. 3-row-groups: a filter keeping a varying number of rows, the copy adjust on 2 ranks."""
+    even from validation. Its tokens match because the CPU's bf16 GEMMs round alike at any batch shape; cuBLAS's
+    need not, so on CUDA a token may differ between 1 and 2 ranks where two logits are within rounding.
+    3-row-groups: a filter keeping a varying number of rows, the copy adjust on 2 ranks."""
     if case == "fp32-ppo":
         flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--lr", "1e-3", "--critic-lr", "1e-3",
                  "--ppo-epochs", "2"]  # epoch 2 reads the old log-probs that epoch 1's first mini-batch filled in on each rank
@@ -2626,7 +2969,7 @@ def test_two_ranks_match_one_process(tmp_path, case):
         assert [m["step"] for m in a] == [0, 1]
         assert "val-env/BanditTest/score" in a[0] and not [f for f in os.listdir(one) if f.endswith(".jsonl") and f != "metrics.jsonl"]
         for k in ("train/Bandit/score", "val-env/Bandit/score", "val-env/BanditTest/score"):
-            assert a[0][k] == pytest.approx(b[0][k], abs=1e-6), k   # bf16 sampling: same tokens on 1 and 2 ranks
+            assert a[0][k] == pytest.approx(b[0][k], abs=1e-6), k   # bf16 on the CPU: same tokens on 1 and 2 ranks
         assert a[0]["actor/pg_loss"] == pytest.approx(b[0]["actor/pg_loss"], rel=0.05, abs=1e-3)  # bf16 compute
     else:
         assert [m["train/real_batch_size"] for m in a] == [m["train/real_batch_size"] for m in b]
@@ -2800,6 +3143,120 @@ def test_help_is_grouped_and_shows_defaults():
         assert text in r.stdout, text
 
 
+# ------------------------------------------------------------------ train.py's parts in process, one env registry (agent.py)
+def test_importing_train_runs_nothing():
+    r = subprocess.run([sys.executable, "-c", "import train"], capture_output=True, text=True, cwd=HERE,
+                       env=dict(train_env(), RANK="0", WORLD_SIZE="2"), timeout=120)  # a torchrun rank: no process group either
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stdout + r.stderr
+    code = "import sys, agent; bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad"  # the registry is torch-free
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
+def test_actor_update_on_a_toy_batch_moves_each_row_the_way_of_its_advantage():
+    import train
+    model, tok = rollout.load_model("tiny")
+    args, world, _ = train.parse_args(["--model", "tiny", "--lr", "1e-2", "--entropy-coef", "0"])
+    assert world == 1 and args.env == "SimpleSokoban" and args.max_turns == 5  # the preset's defaults filled in
+    st = train.State(device=torch.device("cpu"), actor=model, tok=tok, rollout_model=model,
+                     opt=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
+    tokens = torch.randint(3, 250, (4, 10), generator=torch.Generator().manual_seed(0))  # [K, T]
+    attention_mask = torch.ones(4, 10, dtype=torch.bool)                                   # [K, T] rows 2, 3 padded
+    attention_mask[2:, 8:] = False
+    mask = torch.zeros(4, 10)                                                              # [K, T] the "sampled" tokens
+    mask[:, 5:8] = 1
+    batch = dict(tokens=tokens, attention_mask=attention_mask, mask=mask, loss_mask=mask.bool())
+    adv = torch.tensor([2.0, -1.0, 1.0, -2.0])[:, None] * mask                            # [K, T]
+    before = train.forward_pass(st, args, model, batch, "logp")                            # [K, T]
+    counts = dict(token_count=mask.sum().item(), seq_count=4)
+    part, acc = train.actor_update(st, args, [[0, 1], [2, 3]], batch, adv, before.clone(), None, counts)
+    # on-policy (old log-probs = the current ones): ratio 1, the loss is minus the token mean of the advantages
+    assert part["actor/pg_loss"] == pytest.approx(-(adv.sum() / mask.sum()).item(), abs=1e-6)
+    assert len(acc["actor/clipfrac"]) == 2 and math.isfinite(acc["actor/grad_norm"][0])
+    moved = ((train.forward_pass(st, args, model, batch, "logp") - before) * mask).sum(1)  # [K]
+    assert (moved[[0, 2]] > 0).all() and (moved[[1, 3]] < 0).all(), moved
+
+
+def test_agent_flags_are_declared_once_for_train_eval_and_sft(tmp_path):
+    import train
+    flags = {"--max-turns", "--max-actions-per-turn", "--max-actions-per-traj", "--max-new-tokens", "--max-context",
+             "--no-think", "--format-penalty", "--context-window-mode", "--max-context-window", "--no-stop-at-answer"}
+    sampling = {"--temperature", "--top-p", "--no-kv-reuse", "--no-prefix-sharing"}
+    for parser, want in ((train.build_parser(), flags | sampling), (ev.build_parser(), flags | sampling),
+                         (sft.build_parser(), flags)):
+        have = {o for a in parser._actions for o in a.option_strings}
+        assert want <= have and not (sampling - want) & have
+    settings = lambda argv: agent.agent_settings("Bandit", dict(vars(train.parse_args(argv)[0]), sample_seed=0))
+    assert settings([])["stop_at_answer"] and not settings(["--no-stop-at-answer"])["stop_at_answer"]
+    assert settings(["--env", "bandit"])["max_turns"] == 1 and settings(["--max-turns", "3"])["max_turns"] == 3
+    # eval.py takes the flag from a run directory's args.json, as the run's other agent flags
+    run = tmp_path / "run"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    (run / "args.json").write_text(json.dumps(dict(vars(train.parse_args(["--no-stop-at-answer", "--env", "bandit"])[0]))))
+    args = ev.build_parser().parse_args(["--model", str(run)])
+    assert ev.resolve(args)[1] == ["Bandit", "BanditTest"] and args.no_stop_at_answer is True and args.temperature == 0.5
+
+
+TOY_ENV = '''"""Toy: say the digit shown, in one turn."""
+PRESETS = {"Toy": dict(kwargs=dict(n=3), instruction="Say the digit you see.\\n", max_actions_per_traj=1, max_tokens=20,
+                       max_turns=1, max_actions_per_turn=1)}
+
+
+class ToyEnv:
+    def __init__(self, n=3):
+        self.n = n
+
+    def reset(self, seed):
+        self.digit, self.done = str(seed % self.n), False
+        return self.render()
+
+    def render(self):
+        return f"digit {self.digit}"
+
+    def actions(self):
+        return [str(i) for i in range(self.n)]
+
+    def step(self, action):
+        if self.done or not isinstance(action, str) or action.strip() not in self.actions():
+            return self.render(), 0.0, self.done, dict(action_is_valid=False, action_is_effective=False, success=False)
+        self.done, success = True, action.strip() == self.digit
+        return "done", float(success), True, dict(action_is_valid=True, action_is_effective=True, success=success)
+
+
+def solver_actions(env, k):
+    return [env.digit]
+
+
+def random_actions(env, k, rng):
+    return [rng.choice(env.actions()) for _ in range(k)]
+'''
+
+
+def test_a_new_env_is_one_file_and_one_registry_line(tmp_path, monkeypatch, capsys):
+    # a throwaway env file, registered in process, then demonstrated (sft.py), trained on (train.py) and evaluated
+    # (eval.py) through their main functions: nothing else names it
+    import importlib
+    import train
+    (tmp_path / "env_toy.py").write_text(TOY_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(agent, "ENV_CLASSES", dict(agent.ENV_CLASSES))
+    monkeypatch.setattr(agent, "SHORT_NAMES", dict(agent.SHORT_NAMES))
+    toy = importlib.import_module("env_toy")
+    agent.register(toy.ToyEnv, toy, "toy", "Toy")  # the registry line
+    assert agent.preset_name("toy") == "Toy"
+    sft.main(["--device", "cpu", "--model", "tiny", "--env", "toy", "--episodes", "6", "--steps", "1",
+              "--out", str(tmp_path / "sft")])
+    said = capsys.readouterr().out
+    assert "Toy: 6 solver demonstrations" in said and "success 6/6" in said
+    train.main(["--device", "cpu", "--model", str(tmp_path / "sft"), *TINY[4:], "--env", "toy", "--algo", "grpo",
+                "--steps", "1", "--collapse-every", "0", "--out", str(tmp_path / "run")])
+    ms = read_metrics(str(tmp_path / "run"))
+    assert [m["step"] for m in ms] == [0, 1] and "train/Toy/success" in ms[0] and "val-env/Toy/success" in ms[1]
+    capsys.readouterr()
+    ev.main(["--device", "cpu", "--model", str(tmp_path / "run"), "--num-seeds", "3", "--out", str(tmp_path / "ev")])
+    assert "| Toy | 3 |" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ memory plan (memplan.py, train.py --plan)
 def tiny_config():
     return rollout.build_tiny("llama")[0].config
@@ -2894,6 +3351,48 @@ def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny
                     max_turns=1, max_new_tokens=4, max_context=1000, sampler=rollout.Sampler(static=True))
     pool = sum(x.numel() * x.element_size() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1])
     assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
+
+
+def test_memory_plan_tables_are_what_bench_prints():
+    # results/README.md's memory-plan tables are arithmetic, printed by `python bench.py --plan --markdown` from
+    # memplan.py: a change to the plan fails here until the printed tables are pasted over the committed ones
+    import bench
+    with open(os.path.join(HERE, "results", "README.md"), encoding="utf-8") as f:
+        committed = f.read()
+    for table in bench.plan_tables():
+        assert table in committed, ("results/README.md's memory-plan table is not what `python bench.py --plan "
+                                    "--markdown` prints now; paste this over it:\n" + table)
+
+
+@pytest.mark.slow
+def test_memory_plan_commands_are_what_train_py_plans(tmp_path):
+    # bench.PLAN_COMMANDS states what each command's flags set in plan_memory; `train.py --plan RANKS` with those
+    # flags, on the model's shape written as a config directory, must print the same total and the same "fits with"
+    # flags. One process runs train.py once per command (runpy: --plan exits before any weight or rank is made)
+    import re
+    import bench
+    from transformers import Qwen2Config
+    commands, want = [], bench.plan_tables()[1].splitlines()[2:]
+    for model, shape, ranks, flags, kw in bench.PLAN_COMMANDS:
+        Qwen2Config(**shape).save_pretrained(str(tmp_path / model))
+        commands.append(["--plan", str(ranks), "--model", str(tmp_path / model), "--gpu-memory-gb", "80", *flags.split()])
+    script = ("import contextlib, io, json, runpy, sys\nout = []\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              "    sys.argv, printed = ['train.py', *argv], io.StringIO()\n"
+              "    with contextlib.redirect_stdout(printed):\n"
+              "        try:\n            runpy.run_path('train.py', run_name='__main__')\n"
+              "        except SystemExit as e:\n            assert not e.code, (argv, e.code)\n"
+              "    out.append(printed.getvalue())\n"
+              "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], capture_output=True, text=True, cwd=HERE,
+                       env=train_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for printed, row, argv in zip(json.loads(r.stdout.splitlines()[-1]), want, commands):
+        total = re.search(r"  total +([\d.]+) GB per rank", printed).group(1)
+        fix = re.search(r"fits with: (.*)", printed)
+        assert f"| {total} GB |" in row, (argv, printed, row)
+        assert (f"fits with `{fix.group(1)}`" in row) if fix else ("fits with" not in row), (argv, printed, row)
+        assert ("does NOT fit" in printed) == ("**no**" in row), (argv, printed, row)
 
 
 @pytest.mark.slow
@@ -3332,8 +3831,10 @@ def test_plot_hand_written_metrics(tmp_path):
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ImportError, match="pip install matplotlib"):  # the library raises; the script says it in one line
         ev.plot_run(str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--plot", str(tmp_path)])
     assert e.value.code == 2 and "pip install matplotlib" in capsys.readouterr().err
 
 
@@ -3374,10 +3875,10 @@ def demo_rollout(model, tok, key, policy, seeds, think=True, epsilon=0.5, respon
     flags = dict(ev.DEFAULTS, no_think=not think, max_turns=None, max_actions_per_turn=None, max_context=None,
                  max_actions_per_traj=None)
     flags.update(over)
-    settings = ev.agent_settings(key, flags)
-    cls = ev.ENV_CLASSES[key][0]
+    settings = agent.agent_settings(key, flags)
+    cls, _, module = agent.ENV_CLASSES[key]
     envs = [cls(**settings["preset"]["kwargs"]) for _ in seeds]
-    respond = sft.demo_responder(policy, epsilon, seeds, settings, 7)
+    respond = sft.demo_responder(policy, epsilon, seeds, settings, 7, module)
     logged = lambda b, env: respond_log.append((b, respond(b, env))) or respond_log[-1][1]
     out = rollout.rollout(model, tok, envs, seeds, group_size=1, respond=respond if respond_log is None else logged,
                           sampler=rollout.Sampler(), **settings)
@@ -3402,10 +3903,11 @@ def test_demonstration_is_what_the_sampling_rollout_lays_out(tiny, monkeypatch, 
 
         def forced(model, cache, todo, *a, **k):
             assert len(todo) == 1
-            out = queue.pop(0)
+            out, stop_at = queue.pop(0), a[-1]  # sample_turn's last argument: where a turn ends (at its tag)
+            out = out[:stop_at(out)] if stop_at and stop_at(out) else out
             return [out], [[-1.0] * len(out)]
         monkeypatch.setattr(rollout, "sample_turn", forced)
-        cls = ev.ENV_CLASSES[key][0]
+        cls = agent.ENV_CLASSES[key][0]
         sampled = rollout.rollout(model, tok, [cls(**settings["preset"]["kwargs"])], [seed], group_size=1, **settings)
         monkeypatch.undo()
         assert not queue
@@ -3416,8 +3918,8 @@ def test_demonstration_is_what_the_sampling_rollout_lays_out(tiny, monkeypatch, 
 
 
 def test_demonstration_mask_covers_exactly_the_answers(tiny):
-    # the masked spans, one per turn, decode to the policy's answer plus the end-of-turn token; each follows the
-    # forced tag and is followed by the unmasked newline that closes the turn
+    # the masked spans, one per turn, decode to the policy's answer, which ends at its closing tag; each follows the
+    # forced tag and is followed by the unmasked end-of-turn tokens (forced after the tag, as the sampler cuts)
     model, tok = tiny
     for think in (True, False):
         texts = []
@@ -3436,9 +3938,9 @@ def test_demonstration_mask_covers_exactly_the_answers(tiny):
             mine = [t for c, t in texts if c == b]
             assert len(spans) == len(mine) == len(out["turn_ends"][b]) == int(out["stats"]["num_turns"][b])
             for (s, e), text in zip(spans, mine):
-                assert tok.decode(ids[s:e]) == text + "<|im_end|>"
+                assert tok.decode(ids[s:e]) == text and text.endswith("</answer>")
                 assert tok.decode(ids[:s]).endswith("<|im_start|>assistant\n" + forced)
-                assert tok.decode(ids[e:e + 1]) == "\n"
+                assert tok.decode(ids[e:e + 2]) == "<|im_end|>\n"
             assert sum(mask) == sum(e - s for s, e in spans)
 
 
@@ -3515,9 +4017,133 @@ def test_sft_flags(capsys):
     assert code == 0 and all(p in out for p in ("random", "solver", "mix", "--epsilon"))
     for flags, said in ((["--epsilon", "2"], "--epsilon"), (["--env", "nope"], "unknown env"),
                         (["--train-layers", "1", "--lora-rank", "2"], "give one"), (["--batch-size", "0"], "positive"),
-                        (["--train-layers", "9"], "has 2 layers")):
+                        (["--train-layers", "9"], "has 2 layers"), (["--heldout-seed", "10001"], "overlap"),
+                        (["--heldout-seed", "300"], "overlap"), (["--eval-every", "-1"], ">= 0")):
         code, _, err = sft_main(capsys, "--model", "tiny", "--episodes", "2", "--steps", "1", "--out", "/nonexistent/x", *flags)
         assert code == 2 and said in err and err.count("\n") == 1, (flags, err)
+
+
+def test_sft_loss_shared_prefix_equals_plain():
+    # the rows' common prefix (the system message and the start of the first user message) run once: the same summed
+    # loss and the same gradients as every row run in full
+    model, tok = rollout.load_model("tiny")
+    settings = agent.agent_settings("CoordFrozenLakeDet", dict(no_think=True, max_turns=3, sample_seed=0))
+    rows, _ = sft.demonstrations(model, tok, "CoordFrozenLakeDet", "mix", 0.5, list(range(10000, 10005)), settings, 7)
+    tokens, attn, mask = rollout.pack_rows(rows, tok.pad_token_id)[:3]
+    assert int((tokens == tokens[:1]).all(0).long().argmin()) > 100  # a long shared prefix, then the rows differ
+    got = []
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss = sft.sft_loss(model, tokens, attn, mask, share_prefix=share) / mask[:, 1:].sum()
+        loss.backward()
+        got.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, g_plain), (shared, g_shared) = got
+    assert shared == pytest.approx(plain, rel=1e-5, abs=1e-5)
+    assert all(torch.allclose(g_shared[n], g_plain[n], rtol=1e-5, atol=1e-5) for n in g_plain)
+
+
+def test_sft_heldout_loss_is_logged(tmp_path, capsys):
+    # sft_metrics.jsonl: step 0, every --eval-every steps and the end; the held-out loss is the token mean of the
+    # demonstrations on seeds --heldout-seed.., here checked at step 0 against the untrained model
+    out = str(tmp_path / "sft")
+    code, said, err = sft_main(capsys, "--model", "tiny", "--env", "CoordFrozenLakeDet", "--no-think", "--max-turns", "2",
+                               "--episodes", "4", "--heldout", "3", "--heldout-seed", "7000", "--batch-size", "2",
+                               "--steps", "3", "--eval-every", "2", "--lr", "3e-3", "--out", out)
+    assert code == 0, said + err
+    ms = [json.loads(l) for l in open(os.path.join(out, "sft_metrics.jsonl"))]
+    assert [m["step"] for m in ms] == [0, 2, 3] and [m["demos_seen"] for m in ms] == [0, 4, 6]
+    assert ms[0]["train_loss"] is None and all(m["train_loss"] > 0 and m["seconds"] >= 0 for m in ms[1:])
+    model, tok = rollout.load_model("tiny")
+    settings = agent.agent_settings("CoordFrozenLakeDet", dict(no_think=True, max_turns=2, sample_seed=0))
+    rows, _ = sft.demonstrations(model, tok, "CoordFrozenLakeDet", "solver", 0.5, [7000, 7001, 7002], settings, 10000)
+    tokens, attn, mask = rollout.pack_rows(rows, tok.pad_token_id)[:3]
+    with torch.no_grad():
+        want = sft.sft_loss(model, tokens, attn, mask).item() / mask[:, 1:].sum().item()
+    assert ms[0]["heldout_loss"] == pytest.approx(want, rel=1e-5)
+    assert ms[-1]["heldout_loss"] < ms[0]["heldout_loss"]
+    assert "seeds 7000..7002" in said and said.count("held-out loss") == 3
+
+
+def test_sft_resume_reproduces_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
+    # a run killed while writing its step-3 checkpoint resumes from step 2 and ends as the uninterrupted run: the
+    # same metrics lines, final loss and weights (epochs of 3 demonstrations cut across batches of 2, so the
+    # not-yet-used order is carried); step<N>/ directories load; a finished run resumed again changes nothing
+    from safetensors.torch import load_file
+    flags = ["--model", "tiny", "--env", "CoordFrozenLakeDet", "--policy", "mix", "--no-think", "--max-turns", "2",
+             "--episodes", "3", "--heldout", "2", "--batch-size", "2", "--steps", "4", "--lr", "3e-3",
+             "--eval-every", "1", "--save-every", "1"]
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    assert sft_main(capsys, *flags, "--out", straight)[0] == 0
+    real_save, calls = torch.save, []
+
+    def dying_save(obj, f, *a, **k):  # the third checkpoint (step 3) dies half-written
+        calls.append(1)
+        if len(calls) == 3:
+            f.write(b"half a checkpoint")
+            raise KeyboardInterrupt
+        return real_save(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        sft_main(capsys, *flags, "--out", killed)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert torch.load(os.path.join(killed, "ckpt.pt"), weights_only=False)["step"] == 2
+    code, said, err = sft_main(capsys, *flags, "--out", killed, "--resume")
+    assert code == 0 and "resuming from step 2" in said, said + err
+    read = lambda d: [{k: v for k, v in json.loads(l).items() if k != "seconds"} for l in open(os.path.join(d, "sft_metrics.jsonl"))]
+    a, b = read(straight), read(killed)
+    assert [m["step"] for m in b] == [0, 1, 2, 3, 4] and len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], abs=1e-6) for k in x), (x, y)
+    final = lambda d: json.load(open(os.path.join(d, "sft.json")))["final_loss"]
+    assert final(straight) == pytest.approx(final(killed), abs=1e-6)
+    wa, wb = (load_file(os.path.join(d, "model.safetensors")) for d in (straight, killed))
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
+    assert sorted(d for d in os.listdir(killed) if d.startswith("step")) == ["step1", "step2", "step3", "step4"]
+    step4 = rollout.load_model(os.path.join(killed, "step4"))[0].state_dict()
+    assert all(torch.equal(step4[k], wb[k]) for k in wb)
+    code, said, err = sft_main(capsys, *flags, "--out", killed, "--resume")  # finished: nothing left to train
+    assert code == 0 and "resuming from step 4" in said and read(killed) == b, said + err
+    for more, why in ((["--out", killed], "--resume"), (["--out", killed, "--resume", "--lr", "1e-3"], "--lr"),
+                      (["--resume"], "--out")):
+        code, _, err = sft_main(capsys, *flags, *more)
+        assert code == 2 and why in err and err.count("\n") == 1, (more, err)
+    fresh = str(tmp_path / "fresh")  # --resume with nothing saved yet starts at step 0
+    code, said, err = sft_main(capsys, *flags, "--out", fresh, "--resume", "--steps", "1")
+    assert code == 0 and "step 1/1" in said and "resuming" not in said, said + err
+
+
+def test_eval_solver_agreement_replays_the_episodes(tiny, tmp_path, capsys):
+    # per turn: the first action against the solver's at the state the turn was played in (taken here inside the
+    # rollout, by a spy on respond): solver demonstrations agree on every turn, random ones on some; a replay that
+    # ends otherwise than its episode is an error; eval.py --agreement puts the fraction in its table and JSON
+    model, tok = tiny
+    key, seeds = "CoordFrozenLakeDet", list(range(10000, 10008))
+    settings = agent.agent_settings(key, dict(ev.DEFAULTS, no_think=True, max_turns=4, max_actions_per_turn=2))
+    cls, _, module = agent.ENV_CLASSES[key]
+    for policy in ("solver", "random"):
+        respond, truth = sft.demo_responder(policy, 0.5, seeds, settings, 7, module), [[] for _ in seeds]
+
+        def spy(b, env):
+            plan, text = module.solver_actions(env, 1), respond(b, env)
+            truth[b].append(text.split()[0].lower() == plan[0].lower())
+            return text
+        out = rollout.rollout(model, tok, [cls(**settings["preset"]["kwargs"]) for _ in seeds], seeds, group_size=1,
+                              respond=spy, sampler=rollout.Sampler(), **settings)
+        assert ev.solver_agreement(out, key, settings, seeds, 1) == truth
+        turns = [t for ts in truth for t in ts]
+        assert all(turns) if policy == "solver" else 0 < sum(turns) < len(turns)
+    out["success"][0] = not out["success"][0]
+    with pytest.raises(RuntimeError, match="replay"):
+        ev.solver_agreement(out, key, settings, seeds, 1)
+    ev.main(["--device", "cpu", "--model", "tiny", "--env", key, "--num-seeds", "2", "--max-new-tokens", "8",
+             "--max-turns", "2", "--no-think", "--agreement", "--out", str(tmp_path / "eval")])
+    assert "solver_agreement |" in capsys.readouterr().out
+    recs = [json.loads(l) for l in open(tmp_path / "eval" / f"{key}.jsonl")]
+    turns = [t for r in recs for t in r["solver_agreement"]]
+    assert len(turns) == sum(len(r["turns"]) for r in recs)
+    row = json.load(open(tmp_path / "eval" / "summary.json"))["results"][key]
+    assert row["solver_agreement"] == pytest.approx(sum(turns) / len(turns))
 
 
 @pytest.mark.slow
@@ -3537,3 +4163,184 @@ def test_sft_two_ranks_gloo(tmp_path):
     assert a == pytest.approx(b, rel=1e-5)
     wa, wb = (load_file(os.path.join(d, "model.safetensors")) for d in (one, two))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+# ==================================================================================================
+# Learning tests: the tiny random model learns Cue (env_cue.py), and stops learning under a planted fault
+# ==================================================================================================
+def test_cue_rules_hand_worked():
+    env = env_cue.CueEnv(letters="QZ", turns=2, repeat=3)
+    seed = next(s for s in range(100) if random.Random(s).choice("QZ") == "Z")
+    assert env.reset(seed) == env.render() == "cue ZZZ" and env.actions() == ["Q", "Z"]
+    assert env.step("go") == ("cue ZZZ", 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
+    assert env.step(" z ") == ("wait", 0.0, False, dict(action_is_valid=True, action_is_effective=True, success=False))
+    assert env.actions() == ["go"] and env.step("Z")[3]["action_is_valid"] is False  # turn 2: only go
+    assert env.step("GO") == ("Z: 1.0 points", 1.0, True, dict(action_is_valid=True, action_is_effective=True, success=True))
+    assert env.step("go") == ("Z: 1.0 points", 0.0, True, dict(action_is_valid=False, action_is_effective=False, success=True))
+    env.reset(seed)  # the wrong letter at turn 1: nothing until the last turn, then 0
+    assert env.step("Q")[1:3] == (0.0, False) and env.step("go") == ("Q: 0.0 points", 0.0, True, dict(
+        action_is_valid=True, action_is_effective=True, success=False))
+    one = env_cue.CueEnv(**env_cue.PRESETS["Cue"]["kwargs"])
+    assert one.reset(seed) == "cue " + "Z" * 32 and one.step("Z")[1:3] == (1.0, True)
+    for bad in (dict(letters="Q"), dict(letters="qz"), dict(turns=0), dict(repeat=0)):
+        with pytest.raises(ValueError):
+            env_cue.CueEnv(**bad)
+
+
+def test_cue_protocol_determinism_and_garbage():
+    assert {"kwargs", "instruction", "max_actions_per_traj", "max_tokens", "max_turns", "max_actions_per_turn"} == \
+        set(env_cue.PRESETS["Cue"]) == set(env_cue.PRESETS["CueDelay"])
+    assert agent.preset_name("cuedelay") == "CueDelay" and agent.ENV_CLASSES["Cue"][0] is env_cue.CueEnv
+    code = "import sys, env_cue; bad = {'torch', 'numpy', 'transformers'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+    for name, preset in env_cue.PRESETS.items():
+        a, b = env_cue.CueEnv(**preset["kwargs"]), env_cue.CueEnv(**preset["kwargs"])
+        for seed in range(20):
+            assert a.reset(seed) == b.reset(seed)
+            rng = random.Random(seed)
+            for _ in range(4):
+                action = rng.choice(a.actions() + ["junk", "", None, 3, "Q Z", "\ud800", "x" * 10_000])
+                assert a.step(action) == b.step(action)
+        obs = a.reset(0)
+        for junk in ("", "QZ", "<answer> Q </answer>", None, 3, b"Q", ["Q"], "\ud800", "go"):
+            assert a.step(junk) == (obs, 0.0, False, dict(action_is_valid=False, action_is_effective=False, success=False))
+
+
+def test_cue_needs_the_observation_and_its_scripted_policies():
+    # a state-blind policy (the same answer whatever the cue) wins about half the time; the solver always; random
+    # answers are always valid
+    env, seeds = env_cue.CueEnv(**env_cue.PRESETS["CueDelay"]["kwargs"]), range(10_000, 12_000)
+    blind = {c: 0 for c in "QZ"}
+    for seed in seeds:
+        for c in blind:
+            env.reset(seed)
+            env.step(c)
+            blind[c] += env.step("go")[3]["success"]
+    assert sum(blind.values()) == len(seeds) and all(abs(n / len(seeds) - 0.5) < 0.03 for n in blind.values()), blind
+    rng = random.Random(0)
+    for seed in seeds[:200]:
+        for policy in ("solver", "random"):
+            env.reset(seed)
+            while not env.done:
+                action = env_cue.solver_actions(env, 1) if policy == "solver" else env_cue.random_actions(env, 1, rng)
+                info = env.step(action[0])[3]
+                assert info["action_is_valid"]
+            assert info["success"] or policy == "random"
+
+
+# Learning runs: warm start (cue_start), then train.py on the tiny model's warm start, validated on the same held-out
+# seeds (123...) before the first step and after the last, sampling at temperature 1 (the policy being trained).
+# The margins are in standard errors of the difference of two success rates over CUE_SEEDS episodes; across three
+# demonstration seeds the measured rises were 6 to 9 of them (see test docstrings)
+CUE_SEEDS, CUE_MARGIN = 256, 4
+CUE_RUN = ["--no-think", "--max-new-tokens", "16", "--num-groups", "8", "--group-size", "8", "--filter-ratio", "1",
+           "--mini-batch-size", "64", "--micro-batch-size", "32", "--lr", "1e-3", "--critic-lr", "1e-3",
+           "--val-groups", str(CUE_SEEDS), "--val-temperature", "1.0", "--collapse-every", "0",
+           "--log-trajectories-every", "0"]
+# Planted faults, run by sitecustomize in train.py's process before it starts. CUE_FAULT=<name> in the environment
+# plants one in every learning test (by hand: each then fails); test_cue_flipped_advantage_sign_unlearns keeps "sign"
+CUE_FAULTS = {
+    # every advantage negated: GAE's (PPO) and the group estimators'
+    "sign": ("import starpo\n_gae, _group = starpo.gae_advantages, starpo.group_advantages\n"
+             "def gae(*a, **k):\n    adv, returns = _gae(*a, **k)\n    return -adv, returns\n"
+             "starpo.gae_advantages, starpo.group_advantages = gae, lambda *a, **k: -_group(*a, **k)\n"),
+    # the loss's log-probs one position off: token t scored by the logits at t (which predict token t + 1)
+    "logits": ("import starpo\n"
+               "def token_logprobs(model, tokens, attention_mask, temperature=1.0, with_entropy=False, mask=None, **k):\n"
+               "    lp = (model(input_ids=tokens, attention_mask=attention_mask.long()).logits.float() / temperature).log_softmax(-1)\n"
+               "    keep = (attention_mask if mask is None else mask).float()\n"
+               "    ent = -(lp.exp() * lp).sum(-1) * keep if with_entropy else None\n"
+               "    return lp.gather(-1, tokens[..., None])[..., 0] * keep, ent\n"
+               "starpo.token_logprobs = token_logprobs\n"),
+    # PPO: an earlier turn's value target and advantage from its own turn's reward (0), not the episode's return
+    "turn": ("import starpo, torch\n_gae = starpo.gae_advantages\n"
+             "def gae(rewards, values, mask, gamma=1.0, lam=1.0):\n"
+             "    adv, returns = _gae(rewards, values, mask, gamma, lam)\n"
+             "    m = mask.bool()\n"
+             "    turn = torch.cumsum((m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1]).long(), 1)  # [B, T] answer span\n"
+             "    early = m & (turn < turn.max(1, keepdim=True).values)\n"
+             "    return torch.where(early, -values, adv), torch.where(early, 0.0, returns)\n"
+             "starpo.gae_advantages = gae\n"),
+    # the advantage kept on the last turn's tokens only
+    "last_turn": ("import starpo, torch\n_loss = starpo.policy_loss\n"
+                  "def policy_loss(logp, old, adv, mask, *a, **k):\n"
+                  "    m = mask.bool()\n"
+                  "    turn = torch.cumsum((m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1]).long(), 1)  # [B, T]\n"
+                  "    return _loss(logp, old, adv * (turn == turn.max(1, keepdim=True).values), mask, *a, **k)\n"
+                  "starpo.policy_loss = policy_loss\n"),
+}
+
+
+@pytest.fixture(scope="session")
+def cue_start(tmp_path_factory):
+    """A weak observation-conditioned policy of the tiny random model on Cue and CueDelay, from two short SFT runs on
+    mixed demonstrations (built once per test session, shared by xdist workers through a lock). 100 steps with a turn
+    in 4 played at random build what reads the cue: the model then answers the cue on nearly every well-formed turn.
+    20 gentle steps with 3 turns in 4 at random soften it to about 0.6 held-out success at temperature 1 (a
+    state-blind policy: 0.5), which leaves room to learn. (One SFT run on 3-in-4 random turns never starts reading
+    the cue within 200 steps: the model stays state-blind, and RL from there sharpens whichever answer it prefers.)"""
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist: the session's directory, above the workers' own
+        root = root.parent
+    weak = root / "cue-start" / "weak"
+    with FileLock(str(root / "cue-start.lock")):
+        if not (weak / "config.json").exists():
+            mixed = ["--env", "Cue", "CueDelay", "--policy", "mix", "--no-think", "--episodes", "256", "--batch-size", "16"]
+            for model, eps, steps, lr, out in (("tiny", "0.25", "100", "3e-3", "sharp"), ("sharp", "0.75", "20", "1e-4", "weak")):
+                model = model if model == "tiny" else str(root / "cue-start" / model)
+                r = run_sft(*mixed, "--model", model, "--epsilon", eps, "--steps", steps, "--lr", lr,
+                            "--out", str(root / "cue-start" / out))
+                assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return str(weak)
+
+
+def cue_run(model, out, preset, algo, steps, fault=None):
+    """Held-out success (start, end) of train.py --algo algo on `preset` from `model`, before the first step and after
+    the last; fault: a CUE_FAULTS name planted in train.py's process (default: $CUE_FAULT, else none)."""
+    fault, env = fault or os.environ.get("CUE_FAULT"), None
+    if fault:
+        site = out + "-site"
+        os.makedirs(site)
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write(CUE_FAULTS[fault])
+        env = dict(PYTHONPATH=os.pathsep.join([site, HERE]))
+    run_train(*CUE_RUN, "--model", model, "--env", preset, "--algo", algo, "--steps", str(steps), "--val-every", str(steps),
+              "--out", out, env=env)
+    val = [m[f"val-env/{preset}/success"] for m in read_metrics(out) if f"val-env/{preset}/success" in m]
+    assert len(val) == 2, val
+    return val[0], val[1]
+
+
+def standard_errors(start, end, n=CUE_SEEDS):
+    """end - start in standard errors of the difference of two success rates, each over n episodes."""
+    return (end - start) / max(math.sqrt((start * (1 - start) + end * (1 - end)) / n), 1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "rloo"])
+def test_cue_learning_raises_held_out_success(tmp_path, cue_start, algo):
+    # the right answer is the letter the state shows, so no state-blind policy beats 1/2: 8 steps of each estimator
+    # raise held-out success by more than CUE_MARGIN standard errors (measured, 3 demonstration seeds: from about 0.65
+    # to about 0.9, 6 to 8 standard errors), and past 1/2 by as many
+    start, end = cue_run(cue_start, str(tmp_path / "run"), "Cue", algo, 8)
+    assert standard_errors(start, end) > CUE_MARGIN, (start, end)
+    assert standard_errors(0.5, end) > CUE_MARGIN, (start, end)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_cue_delay_credit_travels_back_across_turns(tmp_path, cue_start, algo):
+    # CueDelay: the cue shows at turn 1, the one reward comes after turn 2's "go" and depends only on turn 1's
+    # answer, so turn 1 learns only if the credit reaches it (measured: from about 0.58 to about 0.8 in 8 steps)
+    start, end = cue_run(cue_start, str(tmp_path / "run"), "CueDelay", algo, 8)
+    assert standard_errors(start, end) > CUE_MARGIN, (start, end)
+    assert standard_errors(0.5, end) > CUE_MARGIN, (start, end)
+
+
+@pytest.mark.slow
+def test_cue_flipped_advantage_sign_unlearns(tmp_path, cue_start):
+    # the planted fault the learning tests must catch, kept where it is cheap: with every advantage negated the same
+    # GRPO run drives success down, by more than CUE_MARGIN standard errors
+    start, end = cue_run(cue_start, str(tmp_path / "run"), "Cue", "grpo", 8, fault="sign")
+    assert standard_errors(start, end) < -CUE_MARGIN, (start, end)
