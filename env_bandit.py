@@ -131,7 +131,9 @@ class BanditEnv:
             reward = self.lo_arm_score
         self.obs, self.done = f"{arm}: {reward} points", True
         self.success = arm == self.hi_arm_name
-        info = dict(action_is_valid=True, action_is_effective=True, success=self.success)
+        # hi_arm_first: where the high arm was listed (a policy that names one position wins on half the games)
+        info = dict(action_is_valid=True, action_is_effective=True, success=self.success,
+                    hi_arm_first=float(self.names[0] == self.hi_arm_name))
         return self.obs, reward, True, info
 
 

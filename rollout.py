@@ -527,9 +527,7 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
         if t % every == every - 1:  # the only host sync
             if stop_at is not None:  # rows whose text completed a turn stop too (cut below)
                 rows = (~done[:A]).nonzero().flatten().tolist()
-                held = out[rows, :t + 1].tolist()
-                ended = [b for b, ids in zip(rows, held) if stop_at(ids) is not None]
-                done[ended] = True
+                done[[b for b, ids in zip(rows, out[rows, :t + 1].tolist()) if stop_at(ids) is not None]] = True
             if bool(done.all()):
                 break
         fed = (~done).long()                                                    # finished rows idle
@@ -765,6 +763,15 @@ def new_episode(budget):
                 shown_from=1, budget=budget)
 
 
+# Context windows (RAGEN-2 agent_proxy.context_window_mode, max_context_window): window = k > 0 shows only
+# the last k turns (the current one included; turn numbers kept), window = -1 all of them. window_mode:
+#   full                one training row per episode, its whole conversation (with a window: the last one shown)
+#   limited_multi_turn  one row per turn: exactly what the model saw at that turn, loss on that turn's answer only
+#   single_turn         as limited_multi_turn, but the shown earlier turns are retold as text inside one
+#                       user message (RAGEN-2 ctx_manager._build_single_turn_user_content)
+# Rows then outnumber episodes: `episode` [R] says which episode each row belongs to. When the prompt stops
+# being an extension of what the KV cache row holds (a window drops a turn; single_turn from turn 2 on), the
+# row is re-prefilled from slot 0; stats count prefill_tokens and context_rebuilds per episode.
 def open_turn(ep, env, turn, chat, preset, think, format_penalty, window, window_mode, room):
     """Append the user message that opens `turn` to episode ep. A context window that drops a turn re-renders the
     kept ones first (returns rebuilt=True: its KV row must be prefilled again). room: the most tokens the
@@ -891,6 +898,30 @@ def rollout_output(eps, samples, tok, group_size):
                 text=[tok.decode(e["ids"]) for e in eps], stats=stats, responses=[e["responses"] for e in eps])
 
 
+def check_rollout_args(seeds, B, group_size, temperature, max_new_tokens, window, window_mode):
+    if len(seeds) != B or group_size < 1 or B % group_size:
+        raise ValueError(f"need one seed per env and B={B} divisible by group_size={group_size}")
+    if any(seeds[i] != seeds[i - i % group_size] for i in range(B)):
+        raise ValueError("all members of a group must share a seed (RAGEN group = same initial state)")
+    if temperature <= 0 or max_new_tokens < 1:
+        raise ValueError("need temperature > 0 (greedy=True for argmax) and max_new_tokens >= 1")
+    if window_mode not in ("full", "limited_multi_turn", "single_turn") or window == 0 or window < -1:
+        raise ValueError(f"window_mode {window_mode!r} / window {window}: need full, limited_multi_turn or "
+                         "single_turn and a window of -1 (all turns) or k >= 1")
+
+
+def turn_layout(model, tok, preset, think):
+    """How a turn is laid out in tokens: chat = (tok, head, user_head, generation prompt + the forced tag) for
+    opening_message, the forced tag ('<think>', or '<answer>' without thinking: RAGEN appends it after the
+    generation prompt), the end-of-turn tokens (e.g. [<|im_end|>, "\\n"]) and the token ids that stop sampling."""
+    head, gen, close, user_head = chat_pieces(tok, system_message(preset))
+    forced = "<think>" if think else "<answer>"
+    close_ids = tok.encode(close, add_special_tokens=False)
+    gc_eos = model.generation_config.eos_token_id
+    stop_ids = ({close_ids[0], tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos])) - {None}
+    return (tok, head, user_head, gen + forced), forced, close_ids, stop_ids
+
+
 def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
             temperature=1.0, top_p=1.0, greedy=False, think=True, max_context=4096, format_penalty=-0.1,
             kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None, sampler=None,
@@ -901,15 +932,8 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     the number of ranks, the cache path, or a resume, and so sample the same tokens where their logits come out
     the same (fp32 on the CPU, tested); in bf16 on CUDA a GEMM rounds by its shape, so a token may differ where
     two noisy logits are within rounding.
-    Context windows (RAGEN-2 agent_proxy.context_window_mode, max_context_window): window = k > 0 shows only
-    the last k turns (the current one included; turn numbers kept), window = -1 all of them. window_mode:
-      full                one training row per episode, its whole conversation (with a window: the last one shown)
-      limited_multi_turn  one row per turn: exactly what the model saw at that turn, loss on that turn's answer only
-      single_turn         as limited_multi_turn, but the shown earlier turns are retold as text inside one
-                          user message (RAGEN-2 ctx_manager._build_single_turn_user_content)
-    Rows then outnumber episodes: `episode` [R] says which episode each row belongs to. When the prompt stops
-    being an extension of what the KV cache row holds (a window drops a turn; single_turn from turn 2 on), the
-    row is re-prefilled from slot 0; stats count prefill_tokens and context_rebuilds per episode.
+    window, window_mode: RAGEN-2's context windows (see open_turn); the windowed modes give one row per turn, and
+    `episode` [R] says which episode each row belongs to.
     share_prefixes: rows prefilled from slot 0 together compute each prompt prefix they share once and copy its
     K/V (rollout.shared_prefixes); stats' prefill_saved counts the prompt tokens each row got by copy.
     progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar).
@@ -921,22 +945,9 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     (mask 0: every trained token is one the policy sampled). False: a turn runs to a stop token or its budget and
     every sampled token is kept (trained, and shown in later turns)."""
     B = len(envs)
-    if len(seeds) != B or group_size < 1 or B % group_size:
-        raise ValueError(f"need one seed per env and B={B} divisible by group_size={group_size}")
-    if any(seeds[i] != seeds[i - i % group_size] for i in range(B)):
-        raise ValueError("all members of a group must share a seed (RAGEN group = same initial state)")
-    if temperature <= 0 or max_new_tokens < 1:
-        raise ValueError("need temperature > 0 (greedy=True for argmax) and max_new_tokens >= 1")
-    if window_mode not in ("full", "limited_multi_turn", "single_turn") or window == 0 or window < -1:
-        raise ValueError(f"window_mode {window_mode!r} / window {window}: need full, limited_multi_turn or "
-                         "single_turn and a window of -1 (all turns) or k >= 1")
-    head, gen, close, user_head = chat_pieces(tok, system_message(preset))
+    check_rollout_args(seeds, B, group_size, temperature, max_new_tokens, window, window_mode)
+    chat, forced, close_ids, stop_ids = turn_layout(model, tok, preset, think)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
-    forced = "<think>" if think else "<answer>"  # RAGEN appends it after the generation prompt
-    chat = (tok, head, user_head, gen + forced)
-    close_ids = enc(close)                       # e.g. [<|im_end|>, "\n"]
-    gc_eos = model.generation_config.eos_token_id
-    stop_ids = ({close_ids[0], tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos])) - {None}
     stop_at = answer_end(tok, forced, think) if stop_at_answer else None  # a turn ends at its closing tag
     sampler = sampler or sampler_settings(model.lm_head.weight.device)
     room = max_context - max_new_tokens - len(close_ids)  # the most a conversation may hold before an answer

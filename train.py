@@ -56,7 +56,7 @@ def build_parser():
     g = groups["environment and agent loop"]
     common.add_argument("--env", nargs="+", default=["sokoban"], help=f"short name ({', '.join(agent.SHORT_NAMES)}) or any "
                         "preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. SimpleSokoban:4 FrozenLake:4")
-    g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest)")
+    g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest, Bandit2 Bandit2Test)")
     agent.add_agent_flags(g)  # turns, actions, tokens, think, penalty, window, sampling: shared with eval.py and sft.py
     debug.add_argument("--measure-activations", action="store_true", help="log perf/actor_saved_activations_mb: the "
                        "bytes autograd holds for backward in an actor micro-batch (memplan.saved_bytes: a hook on every saved tensor)")
@@ -195,7 +195,8 @@ def resolve_args(args):
         if getattr(args, key) is None:
             setattr(args, key, agent.ENV_CLASSES[args.env][1].get(key, default))
     if args.val_env is None:
-        args.val_env = [e for e, _ in args.env_mix] + (["BanditTest"] if "Bandit" in dict(args.env_mix) else [])
+        mix = dict(args.env_mix)
+        args.val_env = list(mix) + [test for train, test in (("Bandit", "BanditTest"), ("Bandit2", "Bandit2Test")) if train in mix]
     args.val_env = [agent.preset_name(v) for v in args.val_env]
     if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
         raise ValueError("--bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
