@@ -1,13 +1,16 @@
-"""Cue: a tiny diagnostic task for learning tests, not a RAGEN environment.
+"""Cue: a tiny diagnostic task for the learning tests (test_all.py), not a RAGEN environment.
 
-The first state shows a cue letter ("cue B"); the right first answer is that letter, among the cue letters. The
-cue is drawn uniformly from the seed, so a policy that ignores the state cannot beat 1 / len(letters): only an
-observation-conditioned policy can. Short states and one-letter answers let a random-init byte-level model
-learn it in seconds on a CPU (test_all.py's learning tests).
+The first state shows a cue letter, repeated ("cue QQQ..."); the right first answer is that letter, one of
+`letters`. The cue is drawn uniformly from the seed, so a policy that ignores the state cannot beat
+1 / len(letters): only an observation-conditioned policy can. One-letter answers let a random-init byte-level
+model learn it in seconds on a CPU. The presets use Q and Z, letters no other part of the prompt contains, and
+show the cue `repeat` = 32 times: a 2-layer random model starts out attending almost uniformly over the
+~300-token prompt, and 32 copies give the cue a share of that average that it learns to read within about 100
+SFT steps.
   Cue       one turn: reward 1 if the answer is the cue letter, else 0; the episode ends on the first valid answer.
-  CueDelay  `turns` turns: the cue is shown only at turn 1; every later state is "wait" and its one valid answer
-            is "go". The only reward comes with the last "go" and is 1 if the turn-1 answer was the cue letter:
-            credit for the last turn's reward has to travel back to turn 1.
+  CueDelay  two turns: the cue is shown only at turn 1; the next state is "wait" and its one valid answer is
+            "go". The only reward comes with "go" and is 1 if the turn-1 answer was the cue letter: credit for
+            the last turn's reward has to travel back to turn 1.
 Actions are matched case-insensitively after stripping spaces; anything else is an invalid no-op.
 Randomness: random.Random(seed) at reset draws the cue; nothing else is random.
 
@@ -75,12 +78,12 @@ class CueEnv:
 
 
 def solver_actions(env, k):
-    """The right answer of the current turn (the cue at turn 1, then go); k is at least 1 for a turn."""
+    """sft.py's solver: the right answer of the current turn, the cue at turn 1, then go (one action a turn, any k)."""
     return env.actions()[:1] if env.turn > 1 else [env.cue]
 
 
 def random_actions(env, k, rng):
-    """k valid answers drawn uniformly (turn 1: any cue letter)."""
+    """sft.py's random policy: k valid answers drawn uniformly (turn 1: any of the letters)."""
     return [rng.choice(env.actions()) for _ in range(k)]
 
 
