@@ -14,7 +14,9 @@ adapters are gathered.
 import copy
 
 import torch
+import torch.distributed as dist
 
+import rollout
 import starpo
 
 
@@ -155,3 +157,61 @@ def load_state(model, optimizer, msd, osd, lora=False):
         set_optimizer_state_dict(model, optimizer, osd, options=o)
         for st in optimizer.state.values():  # own copies, not views of the memory-mapped ckpt.pt
             st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v)})
+
+
+def load_on_rank0(name, ddp, master):
+    """rank 0 loads the model `name` (fp32 on the CPU); under torchrun the other ranks get its structure on the meta
+    device and the tokenizer. A failure raises the same ValueError on every rank."""
+    model, tok, err = None, None, None
+    if master:
+        try:
+            model, tok = rollout.load_model(name)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            err = f"cannot load --model {name}: {e}"
+    if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)
+        box = [err, meta_copy(model) if model is not None else None, tok]
+        dist.broadcast_object_list(box)
+        err, model, tok = box[0], model if master else box[1], box[2]
+    if err:
+        raise ValueError(err)
+    return model, tok
+
+
+def build_models(name, device, ddp, rank, bf16, ppo, with_ref, lora=(0, 64, "all-linear"), grad_checkpointing=False):
+    """train.py's models from the model `name`: fp32 master weights, built on the meta device, sharded when ddp,
+    then filled from rank 0 (this file's docstring says how and why). ppo: a critic (a value head on a copy of the
+    trunk); with_ref: a frozen reference (under LoRA none: the actor with its adapter off is the reference);
+    lora: (rank, alpha, target modules), rank 0 = full fine-tuning; bf16: the rollout copy in bf16. Returns a dict:
+    actor, critic, ref, rollout_model (the actor itself on one fp32 process without LoRA, else an unsharded copy),
+    tok, lora_config, lora_base (LoRA under torchrun: the frozen base of every adapted weight)."""
+    master, (lora_rank, lora_alpha, lora_target) = rank == 0, lora
+    loaded, tok = load_on_rank0(name, ddp, master)  # rank 0's real weights go into the state dicts below
+    ref = meta_copy(loaded).eval().requires_grad_(False) if with_ref and not lora_rank else None
+    critic_src = Critic(loaded) if ppo else None  # rank 0: a real trunk copy, on the CPU
+    if grad_checkpointing:
+        loaded.gradient_checkpointing_enable()
+        if critic_src is not None:
+            critic_src.model.gradient_checkpointing_enable()
+    rollout_copy = None  # None: the actor itself samples. LoRA: a plain copy, adapter merged in (sync_rollout_weights)
+    if ddp or bf16 or lora_rank:
+        rollout_copy = meta_copy(loaded, torch.bfloat16 if bf16 else torch.float32).eval().requires_grad_(False)
+    base_sd = loaded.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
+    lora_config = None
+    if lora_rank:  # RAGEN: the critic trunk gets LoRA too; its head trains fully
+        lora_config = add_lora([loaded] + ([critic_src.model] if critic_src is not None else []), lora_rank, lora_alpha,
+                               lora_target)
+    actor_sd = loaded.state_dict() if master else {}
+    critic_sd = (critic_src.state_dict() if master else {}) if critic_src is not None else None
+    actor, critic = meta_copy(loaded), None if critic_src is None else meta_copy(critic_src)
+    del loaded, critic_src  # rank 0's real weights live on in the state dicts alone: no allocated model before sharding
+    if ddp:
+        shard([actor, critic, ref], bf16)
+    for m, sd in [(actor, actor_sd), (critic, critic_sd), (ref, base_sd), (rollout_copy, base_sd)]:
+        if m is not None:
+            materialize(m, sd, device, ddp)
+    rollout_model = actor if rollout_copy is None else rollout_copy
+    # LoRA on several ranks: the frozen base of every adapted weight, kept from the rollout copy's fill (not re-gathered)
+    lora_base = {n: rollout_model.get_submodule(n).weight.clone() for n, m in actor.named_modules()
+                 if hasattr(m, "lora_A")} if lora_rank and ddp else {}
+    return dict(actor=actor, critic=critic, ref=ref, rollout_model=rollout_model, tok=tok, lora_config=lora_config,
+                lora_base=lora_base)

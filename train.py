@@ -295,60 +295,15 @@ class State:
     wandb_run: object = None
 
 
-def load_on_rank0(name, ddp, master):
-    """rank 0 loads --model (fp32 on the CPU); under torchrun the other ranks get its structure on the meta device and
-    the tokenizer. A failure raises the same ValueError on every rank."""
-    model, tok, err = None, None, None
-    if master:
-        try:
-            model, tok = rollout_py.load_model(name)
-        except (ValueError, FileNotFoundError, OSError) as e:
-            err = f"cannot load --model {name}: {e}"
-    if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)
-        box = [err, fsdp.meta_copy(model) if model is not None else None, tok]
-        dist.broadcast_object_list(box)
-        err, model, tok = box[0], model if master else box[1], box[2]
-    if err:
-        raise ValueError(err)
-    return model, tok
-
-
 def build_models(args, device, ddp, rank, world):
-    """The State: fp32 master weights, bf16 autocast on GPU; built on the meta device, sharded, then filled from rank 0
-    (fsdp.py's docstring says how and why). Rollouts run on an unsharded copy, refreshed after every update."""
-    master = rank == 0
-    loaded, tok = load_on_rank0(args.model, ddp, master)  # rank 0's real weights go into the state dicts below
+    """The State: the models (fsdp.build_models), their AdamW optimisers, the sampler and the autocast."""
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")  # --dtype bf16 runs the GPU settings on a CPU too
-    ref = fsdp.meta_copy(loaded).eval().requires_grad_(False) if args.kl_coef > 0 and not args.lora_rank else None  # LoRA: see step 3
-    critic_src = fsdp.Critic(loaded) if args.algo == "ppo" else None  # rank 0: a real trunk copy, on the CPU
-    if args.grad_checkpointing:
-        loaded.gradient_checkpointing_enable()
-        if critic_src is not None:
-            critic_src.model.gradient_checkpointing_enable()
-    rollout_copy = None  # None: the actor itself samples. LoRA: a plain copy, adapter merged in (sync_rollout_weights)
-    if ddp or bf16 or args.lora_rank:
-        rollout_copy = fsdp.meta_copy(loaded, torch.bfloat16 if bf16 else torch.float32).eval().requires_grad_(False)
-    base_sd = loaded.state_dict() if master else {}  # the base weights: reference, rollout copy (views, no copy)
-    lora_config = None
-    if args.lora_rank:  # RAGEN: the critic trunk gets LoRA too; its head trains fully
-        lora_config = fsdp.add_lora([loaded] + ([critic_src.model] if critic_src is not None else []), args.lora_rank,
-                                    args.lora_alpha, args.lora_target)
-    actor_sd = loaded.state_dict() if master else {}
-    critic_sd = (critic_src.state_dict() if master else {}) if critic_src is not None else None
-    actor, critic = fsdp.meta_copy(loaded), None if critic_src is None else fsdp.meta_copy(critic_src)
-    del loaded, critic_src  # rank 0's real weights live on in the state dicts alone: no allocated model before sharding
-    if ddp:
-        fsdp.shard([actor, critic, ref], bf16)
-    for m, sd in [(actor, actor_sd), (critic, critic_sd), (ref, base_sd), (rollout_copy, base_sd)]:
-        if m is not None:
-            fsdp.materialize(m, sd, device, ddp)
-    rollout_model = actor if rollout_copy is None else rollout_copy
-    # LoRA on several ranks: the frozen base of every adapted weight, kept from the rollout copy's fill (not re-gathered)
-    lora_base = {n: rollout_model.get_submodule(n).weight.clone() for n, m in actor.named_modules()
-                 if hasattr(m, "lora_A")} if args.lora_rank and ddp else {}
+    m = fsdp.build_models(args.model, device, ddp, rank, bf16, ppo=args.algo == "ppo", with_ref=args.kl_coef > 0,
+                          lora=(args.lora_rank, args.lora_alpha, args.lora_target), grad_checkpointing=args.grad_checkpointing)
+    actor, critic = m["actor"], m["critic"]
     return State(
-        device=device, actor=actor, tok=tok, rollout_model=rollout_model, critic=critic, ref=ref, ddp=ddp, rank=rank,
-        world=world, lora_config=lora_config, lora_base=lora_base,
+        device=device, actor=actor, tok=m["tok"], rollout_model=m["rollout_model"], critic=critic, ref=m["ref"], ddp=ddp,
+        rank=rank, world=world, lora_config=m["lora_config"], lora_base=m["lora_base"],
         opt=torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay),
         critic_opt=None if critic is None else torch.optim.AdamW(critic.parameters(), lr=args.critic_lr,
                                                                  betas=(0.9, 0.999), weight_decay=args.weight_decay),
