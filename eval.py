@@ -24,7 +24,7 @@ import time
 import torch
 
 import agent
-from rollout import load_model, rollout
+from rollout import load_model, rollout, step_env
 
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
 # (validation samples at --val-temperature, keyed by the run's --seed)
@@ -63,6 +63,30 @@ def episode_records(out, tok, preset_key, seeds, sample_of):
     return records
 
 
+def solver_agreement(out, preset_key, settings, seeds, group_size, split=None):
+    """Per episode of rollout() output `out`, per turn: whether the turn's first action is the env solver's next move
+    (its file's solver_actions(env, 1), case aside) at the state the turn saw; None where the solver has no plan. The
+    env is replayed from the episode's seed with each turn's parsed actions, stepped as rollout steps them (step_env
+    within the episode's action budget); a replay that ends otherwise than the episode raises RuntimeError."""
+    cls, _, module = agent.ENV_CLASSES[preset_key]
+    preset, result = settings["preset"], []
+    for b, turns in enumerate(out["responses"]):
+        env = cls(**preset["kwargs"])
+        member = dict(member=b % group_size) if preset.get("seed_per_member") else {}  # as rollout resets it
+        env.reset(seeds[b], **member) if split is None else env.reset(seeds[b], split=split, **member)
+        left, done, info, agree = preset["max_actions_per_traj"], False, {}, []
+        for turn in turns:
+            plan, said = module.solver_actions(env, 1), turn["actions"]
+            agree.append(None if not plan else bool(said) and said[0].strip().lower() == plan[0].strip().lower())
+            _, done, info, counts, _ = step_env(env, said, left)
+            left -= counts["executed"]
+        if (done and bool(info.get("success", False))) != bool(out["success"][b]):
+            raise RuntimeError(f"{preset_key} seed {seeds[b]}: the replay of the episode's actions does not end as the "
+                               "episode did")
+        result.append(agree)
+    return result
+
+
 def summarize(records, samples):
     """The table row of one preset: rates over episodes, pass@k averaged over seeds."""
     n, mean = len(records), lambda xs: sum(xs) / max(len(xs), 1)
@@ -79,6 +103,9 @@ def summarize(records, samples):
                format_ok_rate=1.0 - errors / max(sum(st("num_turns")), 1),
                turns=mean(st("num_turns")), response_tokens=mean(st("response_tokens")),
                think_tokens=mean(st("think_tokens")))
+    if "solver_agreement" in records[0]:  # --agreement: over the turns where the solver has a move
+        turns = [a for r in records for a in r["solver_agreement"] if a is not None]
+        row["solver_agreement"] = mean(turns) if turns else None
     return row
 
 
@@ -144,6 +171,9 @@ def evaluate(model, tok, args, presets):
             out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
                           greedy=args.greedy, split=split, **settings)
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
+            if args.agreement:
+                for r, agree in zip(records[-len(seeds):], solver_agreement(out, key, settings, seeds, args.samples, split)):
+                    r["solver_agreement"] = agree
         elapsed = time.time() - t0
         with open(os.path.join(args.out, f"{key}.jsonl"), "w") as f:
             for r in records:
@@ -243,6 +273,8 @@ def build_parser():
     p.add_argument("--val-seed", type=int, default=None, help="first seed (RAGEN seed.val = 123)")
     p.add_argument("--samples", type=int, default=1, help="episodes per seed, for pass@k")
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    p.add_argument("--agreement", action="store_true", help="also the fraction of turns whose first action is the env "
+                   "solver's move at that state (the episode replayed from its seed)")
     p.add_argument("--sample-seed", type=int, default=None, help="seed of the sampler's random draws (default 0; a run dir: its --seed)")
     agent.add_agent_flags(p.add_argument_group("agent loop (train.py's flags)"), defaults=DEFAULTS, from_run=True)
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")

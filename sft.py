@@ -17,8 +17,18 @@ Policies:
   mix     each turn the solver's moves with probability 1 - epsilon, random ones otherwise
 Each turn says at most the preset's max_actions_per_turn actions, within the episode's action budget. Think
 mode answers with the fixed thought THOUGHT below. The output directory holds the model and its tokenizer.
+
+Held-out demonstrations (--heldout per preset, env seeds from --heldout-seed, disjoint from the training seeds and
+from validation's) are scored without grad at step 0, every --eval-every steps and at the end; each time a JSON line
+goes to <out>/sft_metrics.jsonl: step, train_loss (the mean step loss since the last line), heldout_loss, demos_seen,
+seconds. --save-every K writes <out>/step<N>/ (an HF directory eval.py loads) and then <out>/ckpt.pt (the trainable
+weights, the optimizer, the step, the data order), both renamed into place whole; the same command with --resume
+continues from ckpt.pt (from step 0 if there is none yet) and ends as the uninterrupted run would:
+
+    nohup python sft.py ... --save-every 25 --out runs/sft-x > runs/sft-x.log 2>&1 &     # again with --resume, >>
 """
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -42,7 +52,7 @@ POLICIES = {"random": "valid actions drawn uniformly (format only)",
 THOUGHT = "Let me choose my next moves."  # think mode: the same short thought every turn
 CHUNK = 16  # episodes per rollout() call: rollout allocates a (never used) KV cache row per episode
 VALIDATION = range(123, 123 + 256)  # eval.py's default seeds (RAGEN's seed.val, 256 of them): no demonstration uses them
-RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_every"}  # flags --resume may change
+RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_every", "micro_batch_size"}  # flags --resume may change
 
 
 # ----------------------------------------------------------------------------- demonstration policies
@@ -190,10 +200,10 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
     say(f"training {sum(q.numel() for q in params) / 1e6:.1f}M of {sum(q.numel() for q in model.parameters()) / 1e6:.1f}M "
         f"weights: {steps} steps of {args.batch_size} episodes, lr {args.lr}, {world} rank(s)"
         + (f"; resuming from step {start}" if ckpt is not None else ""))
-    t0 = time.perf_counter() - seconds
+    t0, micro = time.perf_counter() - seconds, args.micro_batch_size or args.batch_size // world  # rows per forward
 
     def log(step):  # the held-out loss and a metrics line (train loss: the mean over the steps since the last line)
-        h = heldout_loss(model, pad, heldout, args.batch_size // world, rank, world, ddp) if heldout else None
+        h = heldout_loss(model, pad, heldout, micro, rank, world, ddp) if heldout else None
         lines.append(dict(step=step, train_loss=sum(recent) / len(recent) if recent else None, heldout_loss=h,
                           demos_seen=step * args.batch_size, seconds=round(time.perf_counter() - t0, 1)))
         recent.clear()
@@ -210,17 +220,20 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
             order += torch.randperm(len(rows), generator=gen).tolist()
         batch, order = order[:args.batch_size], order[args.batch_size:]
         mine = [rows[i] for i in batch[rank::world]]
-        tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(mine, pad)[:3])  # [B, T] each
-        n = mask[:, 1:].sum().float()  # this rank's loss tokens; the mean is over every rank's
-        if ddp:
+        n = torch.tensor(float(sum(sum(flags[1:]) for _, _, flags, _ in mine)), device=device)  # this rank's loss tokens
+        if ddp:  # the mean is over every rank's
             dist.all_reduce(n)
-        with autocast(device):  # DDP syncs gradients through its wrapper's one call: the plain forward
-            loss = sft_loss(net, tokens, attn, mask, share_prefix=not ddp) / n.clamp(min=1)
-        (loss * world).backward()  # DDP averages the ranks' gradients; the sum over ranks is the global mean
+        loss = 0.0
+        for i in range(0, len(mine), micro):  # gradients accumulate over the micro-batches; DDP syncs on the last
+            tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(mine[i:i + micro], pad)[:3])  # [b, T] each
+            with net.no_sync() if ddp and i + micro < len(mine) else contextlib.nullcontext():
+                with autocast(device):  # DDP syncs gradients through its wrapper's one call: the plain forward
+                    part = sft_loss(net, tokens, attn, mask, share_prefix=not ddp) / n.clamp(min=1)
+                (part * world).backward()  # DDP averages the ranks' gradients; the sum over ranks is the global mean
+            loss = loss + part.detach()
         norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
         if ddp:  # each rank holds its share of the global token mean
             dist.all_reduce(loss)
         loss = loss.item()
@@ -255,6 +268,8 @@ def build_parser():
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the demonstrations (ignored with --steps)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
     p.add_argument("--batch-size", type=int, default=4, help="episodes per optimizer step, over all ranks")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="episodes per forward/backward on a rank (memory "
+                   "only, the same step; 0 = the rank's whole share of --batch-size)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
@@ -286,8 +301,8 @@ def check_args(args, world):
         raise ValueError("--train-layers and --lora-rank must be >= 0")
     if args.train_layers and args.lora_rank:
         raise ValueError("--train-layers and --lora-rank are two ways to train part of the model; give one")
-    if args.heldout < 0 or args.eval_every < 0 or args.save_every < 0:
-        raise ValueError("--heldout, --eval-every and --save-every must be >= 0")
+    if args.heldout < 0 or args.eval_every < 0 or args.save_every < 0 or args.micro_batch_size < 0:
+        raise ValueError("--heldout, --eval-every, --save-every and --micro-batch-size must be >= 0")
     train_seeds, held = range(args.seed, args.seed + args.episodes), range(args.heldout_seed, args.heldout_seed + args.heldout)
     for name, other in (("training", train_seeds), ("validation", VALIDATION)):
         if held and max(held.start, other.start) < min(held.stop, other.stop):
@@ -318,8 +333,10 @@ def trainable(model, args):
             m.requires_grad_(True)
     if args.lora_rank:  # the same adapter train.py adds: every Linear but lm_head, no dropout
         from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                                 target_modules="all-linear"))
+        with torch.random.fork_rng():  # the adapter's random init from --seed: the same run every time
+            torch.manual_seed(args.seed)
+            model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                     target_modules="all-linear"))
     return model
 
 
