@@ -3176,6 +3176,25 @@ def test_actor_update_on_a_toy_batch_moves_each_row_the_way_of_its_advantage():
     assert (moved[[0, 2]] > 0).all() and (moved[[1, 3]] < 0).all(), moved
 
 
+def test_critic_warmup_trains_only_the_critic_for_its_steps(tmp_path, capsys):
+    # --critic-warmup 2 (veRL trainer.critic_warmup = 3): steps 0 and 1 step the critic alone, so the actor's weights
+    # are still the start's after them; step 2 steps both
+    import train
+    base = ["--device", "cpu", "--model", "tiny", *TINY[4:], "--env", "frozenlake", "--algo", "ppo", "--lr", "1e-3",
+            "--collapse-every", "0", "--val-every", "0", "--critic-warmup", "2"]
+    train.main([*base, "--steps", "2", "--out", str(tmp_path / "warm")])
+    ms = read_metrics(str(tmp_path / "warm"))
+    assert all("critic/vf_loss" in m and "actor/pg_loss" not in m for m in ms), ms
+    start, _ = rollout.load_model("tiny")
+    after, _ = rollout.load_model(str(tmp_path / "warm" / "hf"))
+    assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), after.state_dict().values()))
+    train.main([*base, "--steps", "3", "--out", str(tmp_path / "on")])
+    ms = read_metrics(str(tmp_path / "on"))
+    assert ["actor/pg_loss" in m for m in ms] == [False, False, True]
+    with pytest.raises(SystemExit):
+        train.main([*base, "--algo", "grpo", "--steps", "1", "--out", str(tmp_path / "no")])
+    assert "--critic-warmup needs a critic" in capsys.readouterr().out
+
 def test_agent_flags_are_declared_once_for_train_eval_and_sft(tmp_path):
     import train
     flags = {"--max-turns", "--max-actions-per-turn", "--max-actions-per-traj", "--max-new-tokens", "--max-context",

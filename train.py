@@ -138,6 +138,8 @@ def add_run_flags(common, groups, ragen2):
     common.add_argument("--steps", type=int, default=200, help="training steps (rollout + update)")
     common.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
     g.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
+    g.add_argument("--critic-warmup", type=int, default=0, help="PPO: the first N steps update the critic alone "
+                   "(veRL's trainer.critic_warmup = N + 1: it counts steps from 1 and updates the actor from that step on)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
     g = groups["validation"]
@@ -198,6 +200,8 @@ def resolve_args(args):
         mix = dict(args.env_mix)
         args.val_env = list(mix) + [test for train, test in (("Bandit", "BanditTest"), ("Bandit2", "Bandit2Test")) if train in mix]
     args.val_env = [agent.preset_name(v) for v in args.val_env]
+    if args.critic_warmup < 0 or (args.critic_warmup and args.algo != "ppo"):
+        raise ValueError("--critic-warmup needs a critic (--algo ppo) and a step count >= 0")
     if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
         raise ValueError("--bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
     if args.max_context_window == 0 or args.max_context_window < -1:
@@ -595,9 +599,9 @@ def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_ol
 
 def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
-    step (PPO), then an actor step. A non-finite actor gradient skips its step (counted in monitor). Returns the
-    metrics averaged over mini-batches and ranks."""
-    acc = {}
+    step (PPO), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient skips its
+    step (counted in monitor). Returns the metrics averaged over mini-batches and ranks."""
+    acc, actor_on = {}, step >= args.critic_warmup
     st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if st.critic is not None:
         st.critic.train()
@@ -608,6 +612,10 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
             mask = batch["mask"][mb_rows]  # global token / row counts of this mini-batch (known on every rank)
             counts = dict(token_count=mask.sum().item(), seq_count=int(mask.any(-1).sum()))  # rows with a loss token
             part, got = critic_update(st, args, mine, batch, returns, values, counts) if st.critic is not None else ({}, {})
+            if not actor_on:
+                for k, x in list(got.items()) + [(k, [x * st.world]) for k, x in part.items()]:
+                    acc.setdefault(k, []).extend(x)
+                continue
             fill_old = epoch == 0 and i == 0 and args.old_logp == "recompute"  # see old_logprobs
             actor_part, actor_got = actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_old)
             if fill_old and st.ddp:  # each row was filled on one rank, zeros elsewhere: every rank gets them all
@@ -626,7 +634,7 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
         st.critic.eval()
     m = ranks.all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()},
                               st.ddp, st.world, st.device)
-    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr})
+    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr if actor_on else 0.0})
 
 
 def step_summary(st, args, m, timing, out, batch):
@@ -694,7 +702,7 @@ def train_loop(st, args, start_step, monitor):
 
         # 3. old log-probs (recomputed by the actor, as RAGEN), reference log-probs, values
         with timed(timing, "old_logp"):
-            old_logp = old_logprobs(st, args, batch, say)
+            old_logp = old_logprobs(st, args, batch, say) if step >= args.critic_warmup else None  # no actor update
         with timed(timing, "ref_values"):
             ref_logp, values = reference_and_values(st, args, batch, say)
 
@@ -706,7 +714,7 @@ def train_loop(st, args, start_step, monitor):
         # 5. PPO updates, then the rollout copy takes the new weights
         with timed(timing, "update"):
             m.update(update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
-            if args.old_logp == "recompute":  # old_logp is complete now: the sampler's mean distance from it
+            if args.old_logp == "recompute" and old_logp is not None:  # complete now: the sampler's mean distance from it
                 m["rollout/sampler_logp_abs_diff"] = (((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
                                                       / max(batch["mask"].sum().item(), 1))
         with timed(timing, "sync"):
