@@ -6,6 +6,7 @@ Evaluate a model or a trained checkpoint on fixed validation seeds, and plot a r
     python eval.py --model runs/Bandit-ppo-xyz --samples 8 --greedy     # pass@1..8 with 8 samples per seed
     python eval.py --plot runs/Bandit-ppo-xyz                            # -> runs/Bandit-ppo-xyz/curves.png
     python eval.py --plot runs/A runs/B --out ab.png                    # two runs overlaid, with a legend
+    python eval.py --paired runs/A/eval-x runs/B/eval-y                 # B against A on the same episodes
 
 RAGEN's validation protocol (its config's seed.val = 123): seeds 123, 124, ... one group of one env per seed, sampling
 at temperature 0.5, the training budgets of turns and actions. With --samples k every seed becomes a group of
@@ -107,6 +108,37 @@ def summarize(records, samples):
         turns = [a for r in records for a in r["solver_agreement"] if a is not None]
         row["solver_agreement"] = mean(turns) if turns else None
     return row
+
+
+def paired(a, b):
+    """Success of evaluation b against evaluation a on the same episodes (each list of episode records, matched by
+    seed and sample): the difference in success rate, its paired standard error (of the per-episode differences), and
+    the episodes won by each alone. Raises ValueError when the two did not play the same episodes."""
+    won_a = {(r["seed"], r["sample"]): int(bool(r["success"])) for r in a}
+    won_b = {(r["seed"], r["sample"]): int(bool(r["success"])) for r in b}
+    if won_a.keys() != won_b.keys() or len(won_a) < 2:
+        raise ValueError("the two evaluations did not play the same seeds and samples (at least two)")
+    d = [won_b[k] - won_a[k] for k in sorted(won_a)]  # per episode: +1 won by b alone, -1 by a alone
+    n, diff = len(d), sum(d) / len(d)
+    se = math.sqrt(sum((x - diff) ** 2 for x in d) / (n - 1) / n)
+    return dict(episodes=n, success_a=sum(won_a.values()) / n, success_b=sum(won_b.values()) / n, diff=diff,
+                paired_se=se, diff_in_se=diff / se if se > 0 else None, a_alone=d.count(-1), b_alone=d.count(1))
+
+
+def compare(dir_a, dir_b):
+    """eval.py --paired A B: the paired table of every preset both evaluations played. Refuses two evaluations that
+    sampled differently (sampler seed, temperature, greedy): their episodes would not be paired."""
+    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (dir_a, dir_b))
+    keys = ("sample_seed", "temperature", "greedy", "samples")
+    if any(sa["args"].get(k) != sb["args"].get(k) for k in keys):
+        raise ValueError(f"{dir_a} and {dir_b} sampled differently ({', '.join(keys)} must match)")
+    read = lambda d, key: [json.loads(l) for l in open(os.path.join(d, f"{key}.jsonl"))]
+    rows = {key: paired(read(dir_a, key), read(dir_b, key)) for key in sa["results"] if key in sb["results"]}
+    if not rows:
+        raise ValueError(f"{dir_a} and {dir_b} share no preset")
+    print(f"A = {dir_a}, B = {dir_b}")
+    print_table(rows)
+    return rows
 
 
 def print_table(rows):
@@ -267,6 +299,8 @@ def build_parser():
     baseline = lambda text: (text.rpartition("=")[0], float(text.rpartition("=")[2]))  # NAME=SUCCESS; argparse says if not
     p.add_argument("--baseline", nargs="+", type=baseline, default=[], metavar="NAME=SUCCESS", help="with --plot: reference success "
                    "rates drawn as horizontal lines, e.g. random=0.19 warm-up=0.15")
+    p.add_argument("--paired", nargs=2, default=None, metavar=("EVAL_A", "EVAL_B"), help="compare two eval.py outputs "
+                   "of the same seeds and sampler seed: success difference B - A, its paired standard error, wins alone")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
@@ -289,6 +323,9 @@ def main(argv=None):
     try:  # bad input: one line and exit code 2
         if args.plot:
             print(plot_run(*args.plot, out=args.out, baselines=args.baseline))
+            return
+        if args.paired:
+            compare(*args.paired)
             return
         if args.model is None:
             raise ValueError("give --model (or --plot RUN_DIR)")

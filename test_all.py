@@ -3776,6 +3776,29 @@ def test_eval_tiny_each_env_writes_jsonl_and_table(tmp_path):
         assert row["turns"] == pytest.approx(sum(x["stats"]["num_turns"] for x in recs) / 4)
 
 
+def test_paired_comparison_by_hand(tmp_path, capsys):
+    # 5 episodes, A wins 1 0 1 0 1, B wins 1 1 1 1 0: d = 0 1 0 1 -1, mean 0.2, sample variance (2*0.04 + 2*0.64 +
+    # 1.44) / 4 = 0.7, paired SE sqrt(0.7 / 5) = 0.3742, 0.2 / 0.3742 = 0.535 SE; B alone wins 2, A alone 1
+    rec = lambda seed, won: dict(seed=seed, sample=0, success=won)
+    a = [rec(s, w) for s, w in zip(range(5), [1, 0, 1, 0, 1])]
+    b = [rec(s, w) for s, w in zip(reversed(range(5)), [0, 1, 1, 1, 1])]  # another order: matched by seed
+    row = ev.paired(a, b)
+    assert row["success_a"] == 0.6 and row["success_b"] == 0.8 and row["diff"] == pytest.approx(0.2)
+    assert row["paired_se"] == pytest.approx(math.sqrt(0.7 / 5)) and (row["a_alone"], row["b_alone"]) == (1, 2)
+    with pytest.raises(ValueError, match="same seeds"):
+        ev.paired(a, b[1:])
+    for name, recs, seed in (("A", a, 0), ("B", b, 0), ("C", b, 1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "Toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (tmp_path / name / "summary.json").write_text(json.dumps(dict(
+            args=dict(sample_seed=seed, temperature=0.5, greedy=False, samples=1), results={"Toy": {}})))
+    ev.main(["--paired", str(tmp_path / "A"), str(tmp_path / "B")])
+    assert "| Toy | 5 | 0.600 | 0.800 | 0.200 | 0.374 | 0.535 | 1 | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # another sampler seed: the episodes are not paired
+        ev.main(["--paired", str(tmp_path / "A"), str(tmp_path / "C")])
+    assert "sampled differently" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_train_run_then_eval_run_dir_and_plot(tmp_path):
     """A real 2-step tiny train.py run: eval.py loads <run>/hf with the run's flags, --plot draws its curves."""
