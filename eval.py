@@ -224,6 +224,7 @@ PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
           ("in-group reward std", ["rollout/in_group_std", "rollout/chosen_in_group_std"]),
           ("entropy; RAGEN-2 H(Z|X) per token", ["actor/entropy", "collapse/*/cond_entropy"]),
           ("grad norm", ["actor/grad_norm", "critic/grad_norm"]),
+          ("critic explained variance", ["critic/explained_variance"]),
           ("tokens per episode", ["train/*/response_tokens", "train/*/think_tokens"]),
           ("kept fraction", ["rollout/kept_fraction"]),
           ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"]),
@@ -267,7 +268,10 @@ def plot_run(*run_dirs, out=None, baselines=()):
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install matplotlib") from e
     runs = [(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(2, 5, figsize=(22, 6.8))  # one panel per PANELS entry
+    cols = math.ceil(len(PANELS) / 2)
+    fig, axes = plt.subplots(2, cols, figsize=(4.4 * cols, 6.8))  # one panel per PANELS entry
+    for ax in axes.flat[len(PANELS):]:
+        ax.axis("off")
     for ax, (title, patterns) in zip(axes.flat, PANELS):
         for r, (name, series) in enumerate(runs):
             keys = sorted(k for k in series if any(fnmatch.fnmatch(k, p) for p in patterns))

@@ -3848,7 +3848,7 @@ def test_plot_hand_written_metrics(tmp_path):
                       "train/Bandit/response_tokens": 30 - s, "train/Bandit/think_tokens": 0.0,
                       "train/Bandit/format_errors": 0.5, "train/Bandit/num_turns": 1.0,
                       "rollout/in_group_std": 0.4 - s / 50, "rollout/kept_fraction": 0.25, "actor/entropy": 1.0 - s / 20,
-                      "actor/grad_norm": 0.3, "warnings": []}
+                      "actor/grad_norm": 0.3, "critic/explained_variance": s / 10 - 0.2, "warnings": []}
     lines = [keys(s) for s in range(6)]
     lines[0].update({"val-env/Bandit/success": 0.1, "val-env/Bandit/score": 0.0})
     lines.append({"step": 6, "val-env/Bandit/success": 0.6, "val-env/Bandit/score": 0.5})
@@ -3867,6 +3867,8 @@ def test_plot_hand_written_metrics(tmp_path):
     assert success.get_title() == "success rate"
     flat = {l.get_label(): set(l.get_ydata()) for l in success.lines if len(set(l.get_ydata())) == 1}
     assert flat["random: 0.19"] == {0.19} and flat["warm-up: 0.15"] == {0.15}
+    ev_panel = [ax for ax in drawn[0].axes if ax.get_title() == "critic explained variance"]
+    assert len(ev_panel) == 1 and list(ev_panel[0].lines[0].get_ydata()) == pytest.approx([s / 10 - 0.2 for s in range(6)])
     with pytest.raises(SystemExit):
         ev.main(["--plot", str(tmp_path), "--baseline", "random"])
 
