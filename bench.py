@@ -15,6 +15,7 @@
 """
 import argparse
 import copy
+import models
 import time
 
 import torch
@@ -392,7 +393,7 @@ def save_qwen25_shape(path, layers=24):
             vocab["".join(t)] = len(vocab)
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tok.chat_template = rollout.CHATML
+    tok.chat_template = models.CHATML
     cfg = Qwen2Config(**dict(QWEN25_05B, num_hidden_layers=layers), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     assert len(tok) == cfg.vocab_size, len(tok)
     with torch.random.fork_rng():
@@ -560,7 +561,7 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
         print(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'}  {name:24s} {detail}", flush=True)
 
     # 1, 2: the compiled static sampler against eager, then validation (T=0.5) and training (T=1.0) for 3 steps
-    model, tok = rollout.load_model("tiny", device=device)  # fp32: compiled and eager agree to the token
+    model, tok = models.load_model("tiny", device=device)  # fp32: compiled and eager agree to the token
     preset = PRESETS["FrozenLake"]
     run = lambda sampler, seeds=(5, 5, 6, 6), **kw: rollout.rollout(
         model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset, group_size=2, max_turns=3,
@@ -707,7 +708,7 @@ if __name__ == "__main__":
         model, tok = qwen25_05b_random(args.device, dtype), None
     else:
         t = time.time()
-        model, tok = rollout.load_model(args.model, device=args.device, dtype=dtype)
+        model, tok = models.load_model(args.model, device=args.device, dtype=dtype)
         print(f"load_model({args.model!r}): {time.time() - t:.2f} s")  # 'tiny' was once asserted < 1 s in a test
     if tok is not None and args.only in ("all", "sampler"):
         time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0,

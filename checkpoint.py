@@ -110,7 +110,7 @@ def lora_export(model_name, lora_config, adapter_sd, adapter_dir=None):
     """The HF export under LoRA: the --model weights reloaded (frozen while training) plus the adapter (peft
     lora_config), merged by peft into a plain fp32 model; the adapter alone (peft format) goes to adapter_dir if given."""
     from peft import get_peft_model
-    from rollout import load_model
+    from models import load_model
     model = get_peft_model(load_model(model_name)[0], lora_config)
     bad = model.base_model.model.load_state_dict(adapter_sd, strict=False).unexpected_keys  # the actor's names
     assert not bad, bad

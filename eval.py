@@ -25,7 +25,8 @@ import time
 import torch
 
 import agent
-from rollout import load_model, rollout, step_env
+from models import load_model
+from rollout import rollout, step_env
 
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
 # (validation samples at --val-temperature, keyed by the run's --seed)

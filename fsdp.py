@@ -2,7 +2,7 @@
 filled, mirrored into the rollout copy, gathered for checkpoints and filled back on resume.
 
 Weights are fp32 (the optimizer's master copy); on GPU the forward runs in bf16 autocast, as RAGEN's FSDP mixed
-precision does. Rank 0 alone reads the weights (fp32 on the CPU, self-checked by rollout.load_model) and builds the
+precision does. Rank 0 alone reads the weights (fp32 on the CPU, self-checked by models.load_model) and builds the
 models there; every rank works on their structure on the meta device (meta_copy: no memory), shards it under
 torchrun (shard), and only then allocates it on the device and fills it from rank 0's state dicts, broadcast
 (materialize). No GPU ever holds a whole fp32 model before sharding (Qwen2.5-7B PPO: 83 GB of fp32 actor, critic
@@ -12,6 +12,7 @@ refreshed after every update (sync_rollout_weights). Under LoRA the adapter is m
 adapters are gathered.
 """
 import copy
+import models
 
 import torch
 import torch.distributed as dist
@@ -165,7 +166,7 @@ def load_on_rank0(name, ddp, master):
     model, tok, err = None, None, None
     if master:
         try:
-            model, tok = rollout.load_model(name)
+            model, tok = models.load_model(name)
         except (ValueError, FileNotFoundError, OSError) as e:
             err = f"cannot load --model {name}: {e}"
     if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)

@@ -100,11 +100,11 @@ def format_plan(part, gpu_bytes=None):
 
 def model_config(name):
     """The --model's HF config, read without its weights."""
-    import rollout
+    import models
     if name in ("tiny", "tiny-qwen2"):  # built in memory, a few hundred KB of weights
-        return rollout.build_tiny("llama" if name == "tiny" else "qwen2")[0].config
+        return models.build_tiny("llama" if name == "tiny" else "qwen2")[0].config
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(rollout.smollm2_dir() if name == "smollm2" else name)
+    return AutoConfig.from_pretrained(models.smollm2_dir() if name == "smollm2" else name)
 
 
 def fitting_flags(cfg, kw, gpu_bytes, splits=lambda w: True):

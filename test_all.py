@@ -32,6 +32,7 @@ import env_webshop as W
 import agent
 import collapse
 import eval as ev
+import models
 import rollout
 import sft
 import starpo
@@ -1657,7 +1658,7 @@ def test_collapse_stats_hand_worked_three_prompts():
 
 
 def test_cross_logliks_equal_teacher_forcing_of_each_concatenation():
-    model, _ = rollout.build_tiny()
+    model, _ = models.build_tiny()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 9, 7)]
     responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 1, 6, 4, 2)]
@@ -1672,7 +1673,7 @@ def test_cross_logliks_equal_teacher_forcing_of_each_concatenation():
 def test_mi_is_zero_for_a_prompt_blind_model_and_near_log_n_for_a_copying_one():
     """The tiny Llama with every attention and MLP output zeroed is a bigram model: the next token depends on
     the current token only. With a large final-norm gain it copies the current token."""
-    model, tok = rollout.build_tiny()
+    model, tok = models.build_tiny()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -1697,7 +1698,7 @@ def test_mi_is_zero_for_a_prompt_blind_model_and_near_log_n_for_a_copying_one():
 
 
 def test_reasoning_span_cuts_prompt_and_span():
-    _, tok = rollout.build_tiny()
+    _, tok = models.build_tiny()
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     x1 = enc("<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n<answer>")
     obs = enc("\n<|im_start|>user\nReward:\n0.0\nAgain<|im_end|>\n<|im_start|>assistant\n<answer>")
@@ -1729,7 +1730,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return rollout.load_model("tiny")
+    return models.load_model("tiny")
 
 
 class CorridorEnv:
@@ -1767,7 +1768,7 @@ def padded(prompts, left):
 
 def save_tiny(path, arch="qwen2"):
     """A tiny model + tokenizer directory, laid out like a hub snapshot."""
-    model, tok = rollout.build_tiny(arch)
+    model, tok = models.build_tiny(arch)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -1807,10 +1808,10 @@ def test_tiny_models_build_deterministic_and_leave_rng_alone():  # load time: be
         torch.manual_seed(123)
         before = torch.rand(1)
         torch.manual_seed(123)
-        m1, tok = rollout.load_model(name)
+        m1, tok = models.load_model(name)
         assert type(m1).__name__ == cls and len(tok) == m1.config.vocab_size == 259
         assert torch.rand(1) == before  # building the model did not consume the global RNG
-        m2, _ = rollout.load_model(name)
+        m2, _ = models.load_model(name)
         assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
         text = "héllo ✓ <answer>Up || Left</answer>"
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
@@ -1818,8 +1819,8 @@ def test_tiny_models_build_deterministic_and_leave_rng_alone():  # load time: be
 
 def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
     save_tiny(tmp_path / "q", arch="qwen2")
-    model, tok = rollout.load_model(str(tmp_path / "q"))
-    ref, ref_tok = rollout.build_tiny("qwen2")
+    model, tok = models.load_model(str(tmp_path / "q"))
+    ref, ref_tok = models.build_tiny("qwen2")
     assert type(model).__name__ == "Qwen2ForCausalLM" and type(tok).__name__ == "Qwen2Tokenizer"
     assert tok.chat_template == ref_tok.chat_template and rollout.chat_pieces(tok) == rollout.chat_pieces(ref_tok)
     prompt = [tok.encode("Turn 1:\nState:\n_P_O", add_special_tokens=False)]
@@ -1828,13 +1829,13 @@ def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
 
 def test_load_model_errors_are_clear(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="neither"):
-        rollout.load_model("no-such-model")
+        models.load_model("no-such-model")
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to fall back on
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="--model smollm2"):
-        rollout.load_model("nobody/no-such-repo")
+        models.load_model("nobody/no-such-repo")
 
 
 @pytest.mark.parametrize("left", [True, False])
@@ -2118,7 +2119,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "llama3": "LlamaForCausalLM", "mistral"
 
 
 def save_family(path, arch):
-    model, tok = rollout.build_tiny(arch)
+    model, tok = models.build_tiny(arch)
     if arch == "qwen3":
         tok.chat_template = QWEN3_TEMPLATE
     model.save_pretrained(path)
@@ -2128,7 +2129,7 @@ def save_family(path, arch):
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_each_family_samples_like_hf(tmp_path, arch):
-    model, tok = rollout.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
+    model, tok = models.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
     assert type(model).__name__ == FAMILIES[arch]
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
     ours, _ = rollout.generate(model, prompts, 16, greedy=True)
@@ -2143,7 +2144,7 @@ def test_each_family_samples_like_hf(tmp_path, arch):
 
 
 def test_qwen3_template_what_the_model_sees(tmp_path):
-    model, tok = rollout.load_model(save_family(tmp_path / "q3", "qwen3"))
+    model, tok = models.load_model(save_family(tmp_path / "q3", "qwen3"))
     head, gen, close, user_head = rollout.chat_pieces(tok)
     assert gen == "<|im_end|>\n<|im_start|>assistant\n" and close == "<|im_end|>\n"  # no empty think block
     answer = "<think>go right</think><answer>Right</answer>"
@@ -2174,7 +2175,7 @@ def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message
                           "llama": "Llama", "smollm3": "SmolLM3"}[model_type] + "ForCausalLM"]
     cfg.save_pretrained(tmp_path)  # no weights: refused from config.json before any is read
     with pytest.raises(ValueError, match=message) as e:
-        rollout.load_model(str(tmp_path))
+        models.load_model(str(tmp_path))
     assert "\n" not in str(e.value)
 
 
@@ -2196,14 +2197,14 @@ def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeyp
     path = save_family(tmp_path / "q3", "qwen3")
     monkeypatch.setattr(rollout, "forward_cached", skipping)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
-        rollout.load_model(path)
+        models.load_model(path)
 
 
 def test_smollm2_passes_the_self_check():
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "starpo", "smollm2")
     if not os.path.isdir(cache):
-        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; rollout.load_model('smollm2')\")")
-    model, tok = rollout.load_model("smollm2")  # raises if the sampler's logits differ from HF's
+        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; models.load_model('smollm2')\")")
+    model, tok = models.load_model("smollm2")  # raises if the sampler's logits differ from HF's
     assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
 
 
@@ -2213,7 +2214,7 @@ def bigram_model(tok, walk, scale=5.0):
     its successors, drawn with equal probability (each successor must have one predecessor for that). Attention
     and MLP outputs are zeroed, so the last hidden state is the current token's embedding; lm_head row s points
     along the embeddings of s's predecessors: their logit is ~8 * scale above the rest."""
-    model, _ = rollout.build_tiny()
+    model, _ = models.build_tiny()
     model.resize_token_embeddings(len(tok))
     V, d = len(tok), model.config.hidden_size
     g = torch.Generator().manual_seed(0)
@@ -2244,12 +2245,12 @@ def tagged():
     '<answer>' a row writes 'U</answer>' (then 'U</answer>' or 'D...' again: text past the tag) or 'Dxyxy...'
     (never closes). think: '<think>', '</think>', '<answer>', '</answer>' are single added tokens; a row writes
     'hm</think><answer>L</answer>zzz...' or 'hm</think><answer>Qkkk...' (never closes)."""
-    _, tok = rollout.build_tiny()
+    _, tok = models.build_tiny()
     tok.add_tokens(["<think>", "</think>"])  # '<answer>' stays bytes in no-think mode; think mode adds it below
     steps = [(">", ["U", "D"]), ("U", ["<"]), ("<", ["/"]), ("/", ["a"]), ("a", ["n"]), ("n", ["s"]), ("s", ["w"]),
              ("w", ["e"]), ("e", ["r"]), ("r", [">"]), ("D", ["x"]), ("x", ["y"]), ("y", ["x"])]
     no_think = (bigram_model(tok, script_walk(tok, steps)), tok)
-    _, tok2 = rollout.build_tiny()
+    _, tok2 = models.build_tiny()
     tok2.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
     steps = [("<think>", ["h"]), ("h", ["m"]), ("m", ["</think>"]), ("</think>", ["<answer>"]), ("<answer>", ["L", "Q"]),
              ("L", ["</answer>"]), ("</answer>", ["z"]), ("z", ["z"]), ("Q", ["k"]), ("k", ["k"])]
@@ -2701,7 +2702,7 @@ def test_step_bench_times_every_phase_of_both_sides(tmp_path):
 def large_logit_model():
     """The tiny model with its final norm scaled so that the top logits lie in [16, 32), where bf16's spacing is
     0.125: a bf16 logit is off by up to 0.0625, and so is every log-prob taken from it."""
-    model, tok = rollout.build_tiny()
+    model, tok = models.build_tiny()
     with torch.no_grad():
         model.model.norm.weight.mul_(20.0)
     return model, tok
@@ -3006,7 +3007,7 @@ def test_models_are_sharded_before_they_are_allocated(tmp_path):
               "--val-every", "0", "--collapse-every", "0", "--out", out, torchrun=2,
               env=dict(PYTHONPATH=str(tmp_path), SHARD_PROBE=probe))
     calls = [json.loads(l) for l in open(probe)]
-    n = sum(p.numel() for p in rollout.build_tiny("llama")[0].parameters())
+    n = sum(p.numel() for p in models.build_tiny("llama")[0].parameters())
     assert sorted(r for r, _ in calls) == ["0", "1"] and max(b for _, b in calls) < 2 * n, (calls, n)
     assert read_metrics(out)[0]["perf/sync_gathered_mb"] == pytest.approx(2 * n / 2**20)
 
@@ -3062,10 +3063,10 @@ def test_lora_run_resume_two_ranks_and_export(tmp_path):
         assert max((ck[0]["actor"][k] - other["actor"][k]).abs().max().item() for k in ck[0]["actor"]) < tol
     # the export: merged weights that from_pretrained loads, equal to base + adapter through peft's own forward
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(full, "hf"))
-    adapted = PeftModel.from_pretrained(rollout.build_tiny("llama")[0], os.path.join(full, "hf", "adapter"))
+    adapted = PeftModel.from_pretrained(models.build_tiny("llama")[0], os.path.join(full, "hf", "adapter"))
     x = torch.tensor([[5, 80, 81, 82, 83, 9]])
     with torch.no_grad():
-        lm, la, lb = merged(x).logits, adapted(x).logits, rollout.build_tiny("llama")[0](x).logits
+        lm, la, lb = merged(x).logits, adapted(x).logits, models.build_tiny("llama")[0](x).logits
     assert torch.allclose(lm, la, atol=1e-5) and (lm - lb).abs().max() > 1e-3
 
 
@@ -3154,7 +3155,7 @@ def test_importing_train_runs_nothing():
 
 def test_actor_update_on_a_toy_batch_moves_each_row_the_way_of_its_advantage():
     import train
-    model, tok = rollout.load_model("tiny")
+    model, tok = models.load_model("tiny")
     args, world, _ = train.parse_args(["--model", "tiny", "--lr", "1e-2", "--entropy-coef", "0"])
     assert world == 1 and args.env == "SimpleSokoban" and args.max_turns == 5  # the preset's defaults filled in
     st = train.State(device=torch.device("cpu"), actor=model, tok=tok, rollout_model=model,
@@ -3185,8 +3186,8 @@ def test_critic_warmup_trains_only_the_critic_for_its_steps(tmp_path, capsys):
     train.main([*base, "--steps", "2", "--out", str(tmp_path / "warm")])
     ms = read_metrics(str(tmp_path / "warm"))
     assert all("critic/vf_loss" in m and "actor/pg_loss" not in m for m in ms), ms
-    start, _ = rollout.load_model("tiny")
-    after, _ = rollout.load_model(str(tmp_path / "warm" / "hf"))
+    start, _ = models.load_model("tiny")
+    after, _ = models.load_model(str(tmp_path / "warm" / "hf"))
     assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), after.state_dict().values()))
     train.main([*base, "--steps", "3", "--out", str(tmp_path / "on")])
     ms = read_metrics(str(tmp_path / "on"))
@@ -3278,7 +3279,7 @@ def test_a_new_env_is_one_file_and_one_registry_line(tmp_path, monkeypatch, caps
 
 # ------------------------------------------------------------------ memory plan (memplan.py, train.py --plan)
 def tiny_config():
-    return rollout.build_tiny("llama")[0].config
+    return models.build_tiny("llama")[0].config
 
 
 def test_memory_plan_hand_computed_for_an_untied_config():
@@ -3991,7 +3992,7 @@ def test_demonstration_mask_covers_exactly_the_answers(tiny):
 def test_demonstration_policies():
     # solver demonstrations win every episode given the turns; random and mixed ones are all valid moves; mix
     # at epsilon 0 is the solver
-    model, tok = rollout.load_model("tiny")
+    model, tok = models.load_model("tiny")
     seeds = list(range(10000, 10008))
     for key in ("CoordFrozenLakeDet", "SimpleSokoban", "Bandit", "Countdown"):
         out, _ = demo_rollout(model, tok, key, "solver", seeds, max_turns=10)
@@ -4042,14 +4043,14 @@ def test_sft_output_loads_in_eval_and_train(tmp_path, capsys):
 
 
 def test_sft_lora_and_top_layers_train_what_they_say(tmp_path, capsys):
-    base = rollout.load_model("tiny")[0].state_dict()
+    base = models.load_model("tiny")[0].state_dict()
     for flags in (["--train-layers", "1"], ["--lora-rank", "4", "--lora-alpha", "8"]):
         out = str(tmp_path / flags[0].strip("-"))
         code, said, err = sft_main(capsys, "--model", "tiny", "--env", "bandit", "--episodes", "4", "--steps", "2",
                                    "--lr", "1e-2", "--save-every", "2", "--out", out, *flags)
         assert code == 0, said + err
-        sd = rollout.load_model(out)[0].state_dict()
-        step2 = rollout.load_model(os.path.join(out, "step2"))[0].state_dict()  # the checkpoint's export: the same
+        sd = models.load_model(out)[0].state_dict()
+        step2 = models.load_model(os.path.join(out, "step2"))[0].state_dict()  # the checkpoint's export: the same
         assert all(torch.equal(sd[k], step2[k]) for k in sd)
         changed = {k for k in base if not torch.equal(base[k], sd[k])}
         if flags[0] == "--train-layers":  # layer 1 (the top one) and the final norm only
@@ -4072,7 +4073,7 @@ def test_sft_flags(capsys):
 def test_sft_loss_shared_prefix_equals_plain():
     # the rows' common prefix (the system message and the start of the first user message) run once: the same summed
     # loss and the same gradients as every row run in full
-    model, tok = rollout.load_model("tiny")
+    model, tok = models.load_model("tiny")
     settings = agent.agent_settings("CoordFrozenLakeDet", dict(no_think=True, max_turns=3, sample_seed=0))
     rows, _ = sft.demonstrations(model, tok, "CoordFrozenLakeDet", "mix", 0.5, list(range(10000, 10005)), settings, 7)
     tokens, attn, mask = rollout.pack_rows(rows, tok.pad_token_id)[:3]
@@ -4113,7 +4114,7 @@ def test_sft_heldout_loss_is_logged(tmp_path, capsys):
     ms = [json.loads(l) for l in open(os.path.join(out, "sft_metrics.jsonl"))]
     assert [m["step"] for m in ms] == [0, 2, 3] and [m["demos_seen"] for m in ms] == [0, 4, 6]
     assert ms[0]["train_loss"] is None and all(m["train_loss"] > 0 and m["seconds"] >= 0 for m in ms[1:])
-    model, tok = rollout.load_model("tiny")
+    model, tok = models.load_model("tiny")
     settings = agent.agent_settings("CoordFrozenLakeDet", dict(no_think=True, max_turns=2, sample_seed=0))
     rows, _ = sft.demonstrations(model, tok, "CoordFrozenLakeDet", "solver", 0.5, [7000, 7001, 7002], settings, 10000)
     tokens, attn, mask = rollout.pack_rows(rows, tok.pad_token_id)[:3]
@@ -4162,7 +4163,7 @@ def test_sft_resume_reproduces_the_uninterrupted_run(tmp_path, capsys, monkeypat
     wa, wb = (load_file(os.path.join(d, "model.safetensors")) for d in (straight, killed))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
     assert sorted(d for d in os.listdir(killed) if d.startswith("step")) == ["step1", "step2", "step3", "step4"]
-    step4 = rollout.load_model(os.path.join(killed, "step4"))[0].state_dict()
+    step4 = models.load_model(os.path.join(killed, "step4"))[0].state_dict()
     assert all(torch.equal(step4[k], wb[k]) for k in wb)
     code, said, err = sft_main(capsys, *flags, "--out", killed, "--resume")  # finished: nothing left to train
     assert code == 0 and "resuming from step 4" in said and read(killed) == b, said + err
