@@ -2445,8 +2445,8 @@ def test_prefix_shared_prefill_is_exact(tiny, static):
         assert saved[0] == 0 and (saved[1:] > 0).all() and (saved < prefilled).all()
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, static):
+@pytest.mark.parametrize("static,m", [(False, 8), (True, 8), (False, 64), (True, 64)])  # 8: the CPU's, 64: CUDA's
+def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, static, m):
     # every prefill (first prompts, the shared-prefix spans, later turns' appends, re-prefills) runs padded to a
     # multiple of rollout.PREFILL_MULTIPLE tokens with its key length rounded up alike (at most the cache's slots),
     # so nearby lengths share one shape; the padding is masked, so the tokens and log-probs are those of the exact
@@ -2461,7 +2461,7 @@ def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, stat
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
     for reuse in (True, False):
         outs, shapes = [], []
-        for multiple in (1, 8):
+        for multiple in (1, m):
             monkeypatch.setattr(rollout, "PREFILL_MULTIPLE", {"cpu": multiple})
             calls.clear()
             envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
@@ -2470,8 +2470,8 @@ def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, stat
                                         sampler=rollout.Sampler(static=static)))
             shapes.append([c for c in calls if c[0] > 1])  # the prefills (a decode step has T = 1)
         exact, bucketed = shapes
-        assert any(t % 8 for t, _, _ in exact) and any(e % 8 for _, e, s in exact if e < s)  # lengths that need it
-        assert len(bucketed) >= len(exact) and all(t % 8 == 0 and (e % 8 == 0 or e == s) for t, e, s in bucketed), bucketed
+        assert any(t % m for t, _, _ in exact) and any(e % m for _, e, s in exact if e < s)  # lengths that need it
+        assert len(bucketed) >= len(exact) and all(t % m == 0 and (e % m == 0 or e == s) for t, e, s in bucketed), bucketed
         a, b = outs
         assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
         assert a["stats"]["num_turns"].min() >= 2  # later turns' appends ran
