@@ -16,6 +16,8 @@ fp32 and bf16):
   bf16 autocast: 26d + 8 + 4HD + 4KvD + 4H + 8I              (fp32 norms + a bf16 cast per Linear input)
   checkpointed:  4d per layer (the fp32 layer input) + one layer's full set while it is recomputed
   outside layers: 12d + 8 (token ids, final norm, the log-prob chunks' inputs)
+The rollout's own transients are not a part: its prefills run in row chunks whose attention mask stays under
+rollout.PREFILL_MASK_BYTES (1 GiB), below the update's transients counted here.
 The total is the sum of the parts: every part can be alive at the update's peak (the static KV pool stays
 allocated through the update, CUDA graphs need fixed addresses), so it is an upper bound, and the worst case
 assumes every row of a micro-batch is --max-context tokens long.

@@ -74,6 +74,10 @@ def sampler_settings(device, name="auto"):
 # one shape, so one mask size and, wherever prefill is compiled, one graph. The padding is masked and its outputs
 # unused, so the tokens and log-probs do not depend on it (tested). 1 = exact lengths (bench.py --only prefill).
 PREFILL_MULTIPLE = {"cpu": 8, "cuda": 64}
+# A prefill's additive mask is [B, 1, G*T, end] in the compute dtype: 23 GB for 128 rows re-prefilled at 3,600 tokens
+# in bf16 on Qwen2.5-0.5B (G = 7). forward_cached runs a prefill in row chunks whose mask stays under this many bytes
+# (a decode step's never splits), which keeps the rollout's transients below the update's in memplan's count.
+PREFILL_MASK_BYTES = 2**30
 
 
 class KVCache:
@@ -135,6 +139,12 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     (0 = the row only idles); end: keys to attend to, >= max(lens + T) over rows whose output is used.
     The caller adds n to lens. Calls the model's submodules (Llama / Qwen2 / Qwen3 layout)."""
     m, (B, T) = model.model, ids.shape
+    a0 = m.layers[0].self_attn
+    G = a0.q_proj.out_features // a0.k_proj.out_features                       # query heads per KV head
+    r = max(1, PREFILL_MASK_BYTES // (G * T * end * m.embed_tokens.weight.element_size()))  # rows per chunk
+    if B > r:  # row slices of the cache are views: each chunk writes its rows in place
+        return torch.cat([forward_cached(model, [x[i:i + r] for x in k_cache], [x[i:i + r] for x in v_cache], lens[i:i + r],
+                                         ids[i:i + r], n[i:i + r], end) for i in range(0, B, r)])
     pos = lens[:, None] + torch.arange(T, device=ids.device)                    # [B, T] slot = RoPE position
     slot = pos.clamp(max=k_cache[0].shape[2] - 1)                               # overflow -> scratch slot
     row = torch.arange(B, device=ids.device)[:, None]                           # [B, 1]
@@ -144,8 +154,6 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     # head g), additive in the compute dtype so SDPA does not convert a bool mask in each layer. SDPA kernels: an
     # explicit mask rules out flash on CUDA; the memory-efficient kernel takes it (bench.py --gpu-check says which
     # ran), else math (fp32 scores, [G*T, end] per head materialised). The CPU takes its fused flash kernel.
-    a0 = m.layers[0].self_attn
-    G = a0.q_proj.out_features // a0.k_proj.out_features                       # query heads per KV head
     allowed = torch.arange(end, device=ids.device) <= pos[:, :, None]           # [B, T, end]
     mask = torch.zeros(B, 1, T, end, dtype=h.dtype, device=ids.device).masked_fill_(~allowed[:, None], float("-inf"))
     mask = mask.repeat(1, 1, G, 1) if G > 1 else mask                          # [B, 1, G*T, end]

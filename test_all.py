@@ -2477,6 +2477,33 @@ def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, stat
         assert a["stats"]["num_turns"].min() >= 2  # later turns' appends ran
 
 
+def test_prefills_split_by_rows_under_the_mask_budget_change_no_token(monkeypatch, tiny):
+    # a prefill's additive mask is [B, 1, G*T, end] (23 GB for 128 rows re-prefilled at 3,600 tokens in bf16 on
+    # Qwen2.5-0.5B); forward_cached runs it in row chunks of at most rollout.PREFILL_MASK_BYTES, with the same
+    # tokens and log-probs as in one piece
+    model, tok = tiny
+    F, cfg = torch.nn.functional, model.config
+    real, widest, G = F.scaled_dot_product_attention, [], cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def recording(q, k, v, attn_mask=None, **kw):
+        widest.append(attn_mask.shape[0] if attn_mask.shape[2] > G else 0)  # [B, 1, G*T, end]: a prefill's rows
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    preset = SOKOBAN_PRESETS["SimpleSokoban"]
+    outs, rows = [], []
+    for budget in (2**40, 1):  # no split; one row at a time
+        monkeypatch.setattr(rollout, "PREFILL_MASK_BYTES", budget)
+        widest.clear()
+        envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
+        outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4], preset, group_size=3, max_turns=3,
+                                    max_new_tokens=10, kv_reuse=False, sample_seed=1))
+        rows.append(max(widest))
+    assert rows[0] > 1 and rows[1] == 1
+    a, b = outs
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
+    assert a["stats"]["num_turns"].min() >= 2  # later turns re-prefilled
+
+
 def test_prefix_shared_trunk_passes_are_exact(tiny):
     # the update's passes with the rows' common prefix run once: the same log-probs, entropies, hidden states
     # (the critic's input) and gradients as every row computed in full; right padding included
