@@ -129,6 +129,9 @@ def paired(a, b):
 def compare(dir_a, dir_b):
     """eval.py --paired A B: the paired table of every preset both evaluations played. Refuses two evaluations that
     sampled differently (sampler seed, temperature, greedy): their episodes would not be paired."""
+    for d in (dir_a, dir_b):
+        if not os.path.exists(os.path.join(d, "summary.json")):
+            raise ValueError(f"{d} has no summary.json (give two eval.py output directories)")
     sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (dir_a, dir_b))
     keys = ("sample_seed", "temperature", "greedy", "samples")
     if any(sa["args"].get(k) != sb["args"].get(k) for k in keys):

@@ -3825,6 +3825,9 @@ def test_paired_comparison_by_hand(tmp_path, capsys):
     with pytest.raises(SystemExit):  # another sampler seed: the episodes are not paired
         ev.main(["--paired", str(tmp_path / "A"), str(tmp_path / "C")])
     assert "sampled differently" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not an evaluation's directory: one line
+        ev.main(["--paired", str(tmp_path / "A"), str(tmp_path)])
+    assert "has no summary.json" in capsys.readouterr().err
 
 
 @pytest.mark.slow
