@@ -228,7 +228,7 @@ PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
           ("in-group reward std", ["rollout/in_group_std", "rollout/chosen_in_group_std"]),
           ("entropy; RAGEN-2 H(Z|X) per token", ["actor/entropy", "collapse/*/cond_entropy"]),
           ("grad norm", ["actor/grad_norm", "critic/grad_norm"]),
-          ("critic explained variance", ["critic/explained_variance"]),
+          ("critic explained variance (axis from -1)", ["critic/explained_variance"]),
           ("tokens per episode", ["train/*/response_tokens", "train/*/think_tokens"]),
           ("kept fraction", ["rollout/kept_fraction"]),
           ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"]),
@@ -284,6 +284,8 @@ def plot_run(*run_dirs, out=None, baselines=()):
                 style = {} if len(runs) == 1 else dict(color=f"C{r}", linestyle=["-", "--", ":", "-."][i % 4])
                 ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
                         label=k if len(runs) == 1 else f"{name}: {k}", **style)
+        if title.startswith("critic explained variance"):  # 1 - Var[R - V] / Var[R] is -hundreds when Var[R] ~ 0
+            ax.set_ylim(-1.05, 1.05)
         if title == "success rate":
             for i, (name, y) in enumerate(baselines):
                 ax.axhline(y, color="grey", linestyle=["--", ":", "-."][i % 3], linewidth=1, label=f"{name}: {y:g}")
