@@ -612,19 +612,17 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
             mask = batch["mask"][mb_rows]  # global token / row counts of this mini-batch (known on every rank)
             counts = dict(token_count=mask.sum().item(), seq_count=int(mask.any(-1).sum()))  # rows with a loss token
             part, got = critic_update(st, args, mine, batch, returns, values, counts) if st.critic is not None else ({}, {})
-            if not actor_on:
-                for k, x in list(got.items()) + [(k, [x * st.world]) for k, x in part.items()]:
-                    acc.setdefault(k, []).extend(x)
-                continue
-            fill_old = epoch == 0 and i == 0 and args.old_logp == "recompute"  # see old_logprobs
-            actor_part, actor_got = actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_old)
-            if fill_old and st.ddp:  # each row was filled on one rank, zeros elsewhere: every rank gets them all
-                filled = old_logp[mb_rows].to(st.device)
-                dist.all_reduce(filled)
-                old_logp[mb_rows] = filled.cpu()
-            if not math.isfinite(actor_got["actor/grad_norm"][0]):
-                monitor["skipped"] += 1
-                print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
+            actor_part, actor_got = {}, {}
+            if actor_on:
+                fill_old = epoch == 0 and i == 0 and args.old_logp == "recompute"  # see old_logprobs
+                actor_part, actor_got = actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_old)
+                if fill_old and st.ddp:  # each row was filled on one rank, zeros elsewhere: every rank gets them all
+                    filled = old_logp[mb_rows].to(st.device)
+                    dist.all_reduce(filled)
+                    old_logp[mb_rows] = filled.cpu()
+                if not math.isfinite(actor_got["actor/grad_norm"][0]):
+                    monitor["skipped"] += 1
+                    print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
             for k, x in list(got.items()) + list(actor_got.items()):
                 acc.setdefault(k, []).extend(x)
             for k, x in {**part, **actor_part}.items():  # x * world: all_reduce_mean below then sums the ranks' partials
