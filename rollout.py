@@ -432,10 +432,15 @@ def system_message(preset):
     return SYSTEM + preset["instruction"] if preset.get("instruction_in_system") else SYSTEM
 
 
-def turn_prompt(preset, turn, state, actions_left, think):
-    """RAGEN ctx_manager.get_lm_inputs: the '\\nTurn i:' block of a user message."""
-    return (f"\nTurn {turn}:\nState:\n{state}\nYou have {actions_left} actions left. Always output: {FORMATS[think]} "
-            f"with no extra text. Strictly follow this format. Max response length: {preset['max_tokens']} words (tokens).\n")
+RETRY = "No valid action provided previously. Environment state remains the same. Please try again.\n"
+
+
+def turn_prompt(preset, turn, state, actions_left, think, retry=False):
+    """RAGEN ctx_manager.get_lm_inputs: the '\\nTurn i:' block of a user message. retry: RAGEN-2's line after a turn
+    with no valid action (its presets only, as the other RAGEN-2 prompt changes)."""
+    return (f"\nTurn {turn}:\nState:\n{state}\n{RETRY if retry else ''}You have {actions_left} actions left. Always output: "
+            f"{FORMATS[think]} with no extra text. Strictly follow this format. Max response length: {preset['max_tokens']} "
+            "words (tokens).\n")
 
 
 def chat_pieces(tok, system=SYSTEM):
@@ -627,7 +632,8 @@ def open_turn(ep, env, turn, chat, preset, think, format_penalty, window, window
     kept ones first (returns rebuilt=True: its KV row must be prefilled again). room: the most tokens the
     conversation may hold before the answer; past it the episode ends here, truncated. Returns (opened, rebuilt)."""
     ep["states"].append(env.render())
-    ep["users"].append(turn_prompt(preset, turn, ep["states"][-1], ep["budget"] - ep["stats"]["num_actions"], think))
+    retry = preset.get("instruction_in_system", False) and turn > 1 and ep["responses"][-1]["none_valid"]
+    ep["users"].append(turn_prompt(preset, turn, ep["states"][-1], ep["budget"] - ep["stats"]["num_actions"], think, retry))
     shown = max(1, turn - window + 1) if window > 0 else 1  # first turn the model sees
     lo = turn if window_mode == "single_turn" else shown    # first turn given as chat messages
     rebuilt = lo != ep["shown_from"]
@@ -718,6 +724,7 @@ def record_turn(ep, env, out, lp, tok, forced, close_ids, think, max_actions_per
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in s:
                 ep["extras"].setdefault(k, []).append(float(v))
     ep["responses"].append(dict(raw=text, think=thought, actions=actions, matched=matched, reward=reward, penalized=bad,
+                                none_valid=c["valid"] == 0,
                                 info={k: getattr(v, "item", lambda: v)() for k, v in info.items()}))
     if done:  # RAGEN: terminated; success only if the env says so (else truncated)
         ep["finished"], ep["success"] = True, bool(info.get("success", False))

@@ -458,6 +458,25 @@ def first_prompt(model, tok, preset, env, seed, **kw):
     return text[:text.index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n<think>")]
 
 
+def test_ragen2_presets_say_when_no_action_was_valid(tiny):
+    # RAGEN-2 ctx_manager._build_turn_state_content: a turn after one with no valid action carries "No valid action
+    # provided previously. ..." between its state and the actions-left line (es_manager: manager_invalid_action when
+    # no proposed action maps to a valid one). v1 presets keep v1's prompt, without it
+    model, tok = tiny
+    warning = "No valid action provided previously. Environment state remains the same. Please try again.\n"
+    answers = {0: "<answer>Jump</answer>", 1: "<answer>Right</answer>"}  # row 0: nothing valid; row 1: a move
+    for name, shown in (("CoordFrozenLakeDet", True), ("FrozenLake", False)):
+        preset = FROZENLAKE_PRESETS[name]
+        envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(2)]
+        out = rollout.rollout(model, tok, envs, [10001, 10001], preset, group_size=2, max_turns=2, max_new_tokens=40,
+                              think=False, respond=lambda b, env: answers[b], sampler=rollout.Sampler())
+        texts = [t[t.index("\nTurn 2:"):] for t in out["text"]]
+        assert (warning in texts[0]) == shown and warning not in texts[1], (name, texts)
+        if shown:
+            assert texts[0].index(warning) > texts[0].index("Grid Map") and texts[0].index(warning) < texts[0].index("You have")
+        assert warning not in out["text"][0][:out["text"][0].index("\nTurn 2:")]  # never on the first turn
+
+
 def test_coord_prompts_are_ragen2s(tiny):
     # RAGEN-2 ctx_manager: system = "You're a helpful assistant. " + env_instruction + legend + action list (the Coord
     # tags set observation_format under env_config, so the tag's top-level value is the default "grid": legend shown);
