@@ -232,6 +232,7 @@ PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
           ("tokens per episode", ["train/*/response_tokens", "train/*/think_tokens"]),
           ("kept fraction", ["rollout/kept_fraction"]),
           ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"]),
+          ("actions per turn", ["train/*/actions_per_turn", "val-env/*/actions_per_turn"]),
           ("prompt-response MI (RAGEN-2), nats", ["collapse/*/mi"]),
           ("prompt retrieval from the response", ["collapse/*/retrieval_acc", "collapse/*/retrieval_chance"])]
 
@@ -251,11 +252,11 @@ def read_metrics(run_dir):
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                 series.setdefault(k, ([], []))[0].append(m["step"])
                 series[k][1].append(v)
-    for k in [k for k in series if k.endswith("/format_errors")]:  # per-step ratio of means = ratio of sums
-        prefix, (steps, errors) = k[:-len("format_errors")], series[k]
-        turns = series.get(prefix + "num_turns")
-        if turns is not None and turns[0] == steps:
-            series[prefix + "format_ok_rate"] = (steps, [1 - e / max(t, 1e-9) for e, t in zip(errors, turns[1])])
+    for k in [k for k in series if k.endswith("/num_turns")]:  # per-turn rates: per-step ratio of means = of sums
+        prefix, (steps, turns) = k[:-len("num_turns")], series[k]
+        for name, of, f in (("format_ok_rate", "format_errors", lambda r: 1 - r), ("actions_per_turn", "num_actions", float)):
+            if series.get(prefix + of, (None,))[0] == steps:
+                series[prefix + name] = (steps, [f(x / max(t, 1e-9)) for x, t in zip(series[prefix + of][1], turns)])
     if not any(fnmatch.fnmatch(k, p) for k in series for _, ps in PANELS for p in ps):
         raise ValueError(f"{path} holds none of the metrics to plot")
     return series

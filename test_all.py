@@ -3923,6 +3923,18 @@ def test_plot_hand_written_metrics(tmp_path):
         ev.main(["--plot", str(tmp_path), "--baseline", "random"])
 
 
+def test_read_metrics_derives_per_turn_rates(tmp_path):
+    # per step, format-valid turns and actions per turn are ratios of the logged per-episode means (= of the sums)
+    lines = [{"step": s, "train/Fl/num_turns": 2.0, "train/Fl/format_errors": 0.5 * s, "train/Fl/num_actions": 3.0 - s}
+             for s in range(3)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    series = ev.read_metrics(str(tmp_path))
+    assert series["train/Fl/format_ok_rate"] == ([0, 1, 2], pytest.approx([1.0, 0.75, 0.5]))
+    assert series["train/Fl/actions_per_turn"] == ([0, 1, 2], pytest.approx([1.5, 1.0, 0.5]))
+    assert any("train/*/actions_per_turn" in patterns for _, patterns in ev.PANELS)
+
+
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with pytest.raises(ImportError, match="pip install matplotlib"):  # the library raises; the script says it in one line
