@@ -172,7 +172,10 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
         qf = q.reshape(B, KV, G * T, a.head_dim)                                # [B, KV, G*T, D] head kv*G+g -> row g*T+t
         o = F.scaled_dot_product_attention(qf, k_cache[i][:, :, :end], v_cache[i][:, :, :end], attn_mask=mask,
                                            scale=a.scaling)                     # [B, KV, G*T, D]
-        h = h + a.o_proj(o.view(B, -1, T, a.head_dim).transpose(1, 2).reshape(B, T, -1))
+        # o's memory layout is the kernel's: contiguous on the CPU, a transposed view of [B, G*T, KV, D] memory from
+        # CUDA's efficient and flash kernels. Splitting one dim (unflatten) is a view under any strides; the reshape
+        # then makes the one copy o_proj needs: [B, KV, G, T, D] -> [B, T, KV, G, D] -> [B, T, H*D] (head kv*G+g)
+        h = h + a.o_proj(o.unflatten(2, (G, T)).permute(0, 3, 1, 2, 4).reshape(B, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     last = h[torch.arange(B, device=ids.device), (n - 1).clamp(min=0)]          # [B, d] only these need logits
     # fp32 logits: bf16 ones are 0.125 apart in [16, 32), and the sampled log-probs would inherit that. On CUDA

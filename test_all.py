@@ -2719,6 +2719,53 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
     assert len(sample) == 1 and len(rec.graphs) - len(sample) <= 2, [g["inputs"] for g in rec.graphs]
 
 
+def cuda_layout_sdpa(real):
+    """F.scaled_dot_product_attention with the output layout of CUDA's memory-efficient and flash kernels: the same
+    values, stored as [B, T, H, D] memory and returned as its transposed view (their meta kernels end in
+    res.transpose(1, 2); test_cuda_efficient_attention_returns_a_transposed_view pins that)."""
+    return lambda *a, **k: real(*a, **k).transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("path", ["eager", "static", "compiled", "no-kv-reuse", "generate"])
+def test_sampler_samples_the_same_under_cuda_sdpa_output_layout(monkeypatch, tiny, path):
+    # every sampler path, with SDPA returning CUDA's strides, samples the tokens and log-probs of the CPU layout;
+    # "compiled" runs under the CUDA-graph emulation, the rollouts are multi-turn (KV reuse, except "no-kv-reuse")
+    import bench
+    model, tok = tiny
+    sampler = dict(eager=None, static=rollout.Sampler(static=True), compiled="replay").get(path)
+    outs = []
+    for patch in (False, True):
+        torch._dynamo.reset()
+        monkeypatch.setattr(rollout, "_POOL", {})
+        monkeypatch.setattr(rollout, "_COMPILED", {})
+        if patch:
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                                cuda_layout_sdpa(torch.nn.functional.scaled_dot_product_attention))
+        s = rollout.Sampler(static=True, compile=bench.GraphReplayBackend(), check_every=8) if sampler == "replay" else sampler
+        if path == "generate":
+            prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
+            toks, lps = rollout.generate(model, prompts, 10, temperature=0.7, seed=2)
+            outs.append(dict(tokens=torch.tensor([t + [0] * (10 - len(t)) for t in toks]),
+                             old_logp=torch.tensor([l + [0.0] * (10 - len(l)) for l in lps])))
+        else:
+            outs.append(emulated_rollout(model, tok, s, max_turns=3, kv_reuse=path != "no-kv-reuse"))
+    a, b = outs
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["old_logp"], b["old_logp"])
+
+
+def test_cuda_efficient_attention_returns_a_transposed_view():
+    # the layout cuda_layout_sdpa emulates, read off the installed torch's meta kernel for CUDA's memory-efficient
+    # attention (the kernel a masked SDPA runs on a GPU) on fake CUDA tensors: a torch that changes it fails here
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 2, 112, 64, dtype=torch.bfloat16, device="cuda")       # [B, KV, G*T, D]
+        kv = torch.empty(2, 2, 128, 64, dtype=torch.bfloat16, device="cuda")      # [B, KV, S, D]
+        mask = torch.empty(2, 1, 112, 128, dtype=torch.bfloat16, device="cuda")
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, kv, kv, mask, False)[0]
+        emulated = cuda_layout_sdpa(lambda *a: torch.empty(2, 2, 112, 64))()
+    assert out.shape == (2, 2, 112, 64) and out.stride() == emulated.stride() == (14336, 64, 128, 1)
+
+
 @pytest.mark.slow
 def test_gpu_check_runs_on_the_cpu_with_the_emulations():
     # bench.py --gpu-check off a GPU: the same five checks, CUDA graphs emulated, the tiny model; exit 0 = no FAIL.
