@@ -8,7 +8,7 @@
   python bench.py --only cut --batch 32 --turns 3 --turn-tokens 48   # turns cut at </answer> vs run to a stop token
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
   python bench.py --gpu-check                      # first thing on a GPU machine: PASS / FAIL per line, exit 1 on a FAIL
-  python bench.py --only prefill --repeats 5       # prefill shapes rounded up (rollout.PREFILL_MULTIPLE) vs exact lengths
+  python bench.py --only prefill --repeats 5       # prefill shapes rounded up (sampler.PREFILL_MULTIPLE) vs exact lengths
   python bench.py --plan --markdown                # results/README.md's memory-plan tables (the suite compares them)
 
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
@@ -21,6 +21,7 @@ import time
 import torch
 
 import rollout
+import sampler
 import starpo
 
 
@@ -92,7 +93,7 @@ def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0, repeats=3):
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     def ours(n, share=True):
-        return rollout.generate(model, prompts, n, stop_ids=(), temperature=1.0, seed=0, share_prefixes=share)
+        return sampler.generate(model, prompts, n, stop_ids=(), temperature=1.0, seed=0, share_prefixes=share)
 
     def hf(n):
         with torch.no_grad():
@@ -107,7 +108,7 @@ def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0, repeats=3):
     embed = model.model.embed_tokens.weight.numel()
     trunk = sum(p.numel() for p in model.model.parameters()) - embed                # linear layers + norms
     head = model.lm_head.weight.numel()
-    prompt_tok, saved = sum(map(len, prompts)), sum(rollout.shared_prefixes(prompts)[1])
+    prompt_tok, saved = sum(map(len, prompts)), sum(sampler.shared_prefixes(prompts)[1])
     flops = {"ours": 2 * trunk * (prompt_tok - saved + B * new_tokens) + 2 * head * B * new_tokens}
     flops["ours, no prefix sharing"] = flops["hf_generate"] = flops["ours"] + 2 * trunk * saved
     peak = matmul_peak(device)
@@ -165,24 +166,24 @@ def time_answer_cut(model, tok, batch, group_size, turns, turn_tokens, repeats=3
 
 
 def time_prefill_buckets(model, tok, prompts, new_tokens, group_size, turns, turn_tokens, device, repeats=3):
-    """Prefill shapes rounded up to rollout.PREFILL_MULTIPLE (the default) against exact lengths (multiple 1),
+    """Prefill shapes rounded up to sampler.PREFILL_MULTIPLE (the default) against exact lengths (multiple 1),
     interleaved: single-turn sampling of `prompts`, and with a tokenizer a multi-turn Sokoban rollout (every turn's
     append is a prefill). In fp32 on the CPU both sides sample the same tokens (printed); in bf16 on CUDA a token
     may differ where two logits are within rounding (the GEMMs have other shapes)."""
     from env_sokoban import PRESETS, SokobanEnv
     kind = torch.device(device).type
-    bucketed = rollout.PREFILL_MULTIPLE[kind]
+    bucketed = sampler.PREFILL_MULTIPLE[kind]
     preset, B = PRESETS["SimpleSokoban"], len(prompts)
 
     def at(multiple, fn):  # fn run with prefill shapes rounded up to `multiple`
         def run():
-            rollout.PREFILL_MULTIPLE[kind] = multiple
+            sampler.PREFILL_MULTIPLE[kind] = multiple
             try:
                 return fn()
             finally:
-                rollout.PREFILL_MULTIPLE[kind] = bucketed
+                sampler.PREFILL_MULTIPLE[kind] = bucketed
         return run
-    cases = {"sampler": lambda: rollout.generate(model, prompts, new_tokens, stop_ids=(), seed=0)}
+    cases = {"sampler": lambda: sampler.generate(model, prompts, new_tokens, stop_ids=(), seed=0)}
     if tok is not None:
         cases["multi-turn"] = lambda: rollout.rollout(
             model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(B)], [i // group_size for i in range(B)], preset,
@@ -262,7 +263,7 @@ def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
         for _ in range(2):         # first call of each length warms up / captures
             sync(device)
             t = time.perf_counter()
-            rollout.generate(model, prompts, n, stop_ids=(), seed=0)
+            sampler.generate(model, prompts, n, stop_ids=(), seed=0)
             sync(device)
         step_ms.append(time.perf_counter() - t)
     per_step = (step_ms[1] - step_ms[0]) / new_tokens
@@ -569,8 +570,8 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     torch._dynamo.reset()
     counters.clear()
     rec = RecordingBackend(GraphReplayBackend())
-    fast = rollout.Sampler(static=True, compile="inductor" if cuda else rec, check_every=8)
-    eager, got = run(rollout.Sampler()), run(fast)
+    fast = sampler.Sampler(static=True, compile="inductor" if cuda else rec, check_every=8)
+    eager, got = run(sampler.Sampler()), run(fast)
     same = torch.equal(got["tokens"], eager["tokens"])
     line("compiled == eager", same, f"{int(got['stats']['response_tokens'].sum())} tokens sampled by the static path "
          f"({'inductor, CUDA graphs' if cuda else 'CUDA-graph replays emulated'}), identical to eager: {same}")
@@ -589,7 +590,7 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     prompts = torch.randint(0, qwen.config.vocab_size, (8, 100)).tolist()
     torch._dynamo.reset()
     with torch.profiler.profile() as prof:
-        rollout.generate(qwen, prompts, 4, sampler=rollout.sampler_settings(device))
+        sampler.generate(qwen, prompts, 4, sampler=sampler.sampler_settings(device))
     ran = sorted({e.key for e in prof.key_averages()
                   if "attention" in e.key and e.key != "aten::scaled_dot_product_attention"})  # the kernels it chose
     want = "efficient_attention" if cuda else "flash_attention_for_cpu"
@@ -602,9 +603,9 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     seen = []
     hook = low.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
     ids = torch.tensor(prompts[:2], device=device)                                       # [2, 100]
-    cache = rollout.KVCache(low, 2, ids.shape[1] + 1)
+    cache = sampler.KVCache(low, 2, ids.shape[1] + 1)
     with torch.no_grad():
-        logits = rollout.forward_cached(low, cache.k, cache.v, cache.lens, ids, torch.full((2,), ids.shape[1], device=device),
+        logits = sampler.forward_cached(low, cache.k, cache.v, cache.lens, ids, torch.full((2,), ids.shape[1], device=device),
                                         ids.shape[1])                                  # [2, V]
     hook.remove()
     want = seen[-1].float() @ low.lm_head.weight.float().T                             # [2, V]
@@ -717,7 +718,7 @@ if __name__ == "__main__":
         time_kv_reuse(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, args.repeats)
     if tok is not None and args.only == "cut":
         time_answer_cut(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, args.repeats)
-    if args.only == "prefill":  # rollout.PREFILL_MULTIPLE against exact lengths, side by side
+    if args.only == "prefill":  # sampler.PREFILL_MULTIPLE against exact lengths, side by side
         ragged = [torch.randint(0, model.config.vocab_size, (args.prompt_len - i % 61,)).tolist() for i in range(args.batch)]
         time_prefill_buckets(model, tok, first_turn_prompts(tok, args.batch) if tok is not None else ragged,
                              args.new_tokens, args.group_size, args.turns, args.turn_tokens, args.device, args.repeats)

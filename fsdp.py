@@ -17,7 +17,6 @@ import models
 import torch
 import torch.distributed as dist
 
-import rollout
 import starpo
 
 

@@ -17,7 +17,7 @@ fp32 and bf16):
   checkpointed:  4d per layer (the fp32 layer input) + one layer's full set while it is recomputed
   outside layers: 12d + 8 (token ids, final norm, the log-prob chunks' inputs)
 The rollout's own transients are not a part: its prefills run in row chunks whose attention mask stays under
-rollout.PREFILL_MASK_BYTES (1 GiB), below the update's transients counted here.
+sampler.PREFILL_MASK_BYTES (1 GiB), below the update's transients counted here.
 The total is the sum of the parts: every part can be alive at the update's peak (the static KV pool stays
 allocated through the update, CUDA graphs need fixed addresses), so it is an upper bound, and the worst case
 assumes every row of a micro-batch is --max-context tokens long.
@@ -52,7 +52,7 @@ def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=Tr
     per_tok = (26 * d + 8 + 4 * H * D + 4 * KV * D + 4 * H + 8 * I) if bf16 else 4 * (6 * d + 4 * I + 2 * H * D + 2 * KV * D + H + 2)
     tokens = micro * seq
     acts = (L * 4 * d if ckpt else L * per_tok) * tokens + (12 * d + 8) * tokens  # + ids, final norm, chunk inputs
-    slots = (seq + 1) // 128 * 128 + 128                        # rollout.static_capacity(max_context + 1)
+    slots = (seq + 1) // 128 * 128 + 128                        # sampler.static_capacity(max_context + 1)
     accumulates = -(-mini // world // micro) > 1                # several micro-batches per rank per optimizer step
     lm_copy = 4 * embed if world > 1 and bf16 else 0            # token_logprobs' fp32 copy of a bf16 lm_head weight
     part = dict(

@@ -17,7 +17,8 @@ import tempfile
 
 import torch
 
-import rollout  # self_check runs the sampler's own functions, looked up at call time
+import rollout
+import sampler  # self_check runs the sampler's own functions, looked up at call time
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -121,10 +122,10 @@ def self_check(model, tol=1e-3):
     V, dev = model.config.vocab_size, model.lm_head.weight.device
     ids = (torch.arange(12, device=dev).view(2, 6) * 7919 + 5) % V                 # [2, 6] arbitrary tokens
     n = torch.tensor([6, 3], device=dev)                                            # [2] ragged rows
-    cache = rollout.KVCache(model, 2, 8)
-    rollout.forward_cached(model, cache.k, cache.v, cache.lens, ids[:, :2], torch.full_like(n, 2), 2)
+    cache = sampler.KVCache(model, 2, 8)
+    sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids[:, :2], torch.full_like(n, 2), 2)
     cache.lens += 2
-    ours = rollout.forward_cached(model, cache.k, cache.v, cache.lens, ids[:, 2:], n - 2, 6)  # [2, V]
+    ours = sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids[:, 2:], n - 2, 6)  # [2, V]
     mask = torch.arange(6, device=dev) < n[:, None]                                 # [2, 6] right padding
     ref = model(ids, attention_mask=mask.long()).logits[torch.arange(2), n - 1].float()  # [2, V]
     err = ((ours - ref).abs().max() / ref.std()).item()

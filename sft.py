@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import agent
 import models
 import rollout as rollout_py
+import sampler
 import starpo
 
 POLICIES = {"random": "valid actions drawn uniformly (format only)",
@@ -83,7 +84,7 @@ def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, see
         chunk = seeds[i:i + CHUNK]
         envs = [cls(**settings["preset"]["kwargs"]) for _ in chunk]
         respond = demo_responder(policy, epsilon, chunk, settings, seed, module)
-        out = rollout_py.rollout(model, tok, envs, chunk, group_size=1, respond=respond, sampler=rollout_py.Sampler(),
+        out = rollout_py.rollout(model, tok, envs, chunk, group_size=1, respond=respond, sampler=sampler.Sampler(),
                                  **settings)
         for r in range(len(chunk)):
             n = int(out["attention_mask"][r].sum())

@@ -34,6 +34,7 @@ import collapse
 import eval as ev
 import models
 import rollout
+import sampler
 import sft
 import starpo
 
@@ -469,7 +470,7 @@ def test_ragen2_presets_say_when_no_action_was_valid(tiny):
         preset = FROZENLAKE_PRESETS[name]
         envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(2)]
         out = rollout.rollout(model, tok, envs, [10001, 10001], preset, group_size=2, max_turns=2, max_new_tokens=40,
-                              think=False, respond=lambda b, env: answers[b], sampler=rollout.Sampler())
+                              think=False, respond=lambda b, env: answers[b], sampler=sampler.Sampler())
         texts = [t[t.index("\nTurn 2:"):] for t in out["text"]]
         assert (warning in texts[0]) == shown and warning not in texts[1], (name, texts)
         if shown:
@@ -1843,7 +1844,7 @@ def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
     assert type(model).__name__ == "Qwen2ForCausalLM" and type(tok).__name__ == "Qwen2Tokenizer"
     assert tok.chat_template == ref_tok.chat_template and rollout.chat_pieces(tok) == rollout.chat_pieces(ref_tok)
     prompt = [tok.encode("Turn 1:\nState:\n_P_O", add_special_tokens=False)]
-    assert rollout.generate(model, prompt, 12, greedy=True)[0] == rollout.generate(ref, prompt, 12, greedy=True)[0]
+    assert sampler.generate(model, prompt, 12, greedy=True)[0] == sampler.generate(ref, prompt, 12, greedy=True)[0]
 
 
 def test_load_model_errors_are_clear(monkeypatch, tmp_path):
@@ -1864,7 +1865,7 @@ def test_greedy_sampler_matches_references_on_ragged_batches(tiny, left):
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     stop = {tok.eos_token_id, tok.pad_token_id}
     ids, mask = padded(prompts, left)
-    ours, _ = rollout.generate(model, ids, 24, stop, attention_mask=mask, greedy=True)
+    ours, _ = sampler.generate(model, ids, 24, stop, attention_mask=mask, greedy=True)
     assert ours == reference_generate(model, prompts, 24, stop)
     hf_ids, hf_mask = padded(prompts, left=True)
     hf = model.generate(input_ids=hf_ids, attention_mask=hf_mask, max_new_tokens=24, do_sample=False,
@@ -1875,7 +1876,7 @@ def test_greedy_sampler_matches_references_on_ragged_batches(tiny, left):
 def test_sampler_logprobs_equal_teacher_forced_forward(tiny):
     model, tok = tiny
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["State:\n#P_O#", "hello", "abc" * 9]]
-    toks, lps = rollout.generate(model, prompts, 20, temperature=0.7, top_p=0.9, seed=3)
+    toks, lps = sampler.generate(model, prompts, 20, temperature=0.7, top_p=0.9, seed=3)
     for p, o, lp in zip(prompts, toks, lps):
         x = torch.tensor([p + o])
         tf = teacher_forced_logp(model, x, torch.ones_like(x), temperature=0.7)[0, len(p):]
@@ -1886,16 +1887,16 @@ def test_per_row_stop_budget_seed_and_group_prefill(tiny):
     model, tok = tiny
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
     stop = set(range(3, 200))  # most byte tokens stop, so rows stop at different steps
-    toks, _ = rollout.generate(model, prompts, 30, stop, seed=1)
+    toks, _ = sampler.generate(model, prompts, 30, stop, seed=1)
     for o in toks:
         assert 1 <= len(o) <= 30 and all(t not in stop for t in o[:-1]) and (o[-1] in stop or len(o) == 30)
-    a = rollout.generate(model, prompts, 16, seed=5)
-    b = rollout.generate(model, prompts, 16, seed=5)
+    a = sampler.generate(model, prompts, 16, seed=5)
+    b = sampler.generate(model, prompts, 16, seed=5)
     assert a == b
     # a group of 4 identical prompts is prefilled once and copied; it must equal 4 separate prefills
     group = [prompts[2]] * 4
-    shared = rollout.generate(model, group, 16, greedy=True)
-    alone = rollout.generate(model, prompts[2:], 16, greedy=True)
+    shared = sampler.generate(model, group, 16, greedy=True)
+    alone = sampler.generate(model, prompts[2:], 16, greedy=True)
     assert shared[0] == alone[0] * 4
     assert max(abs(x - y) for row in shared[1] for x, y in zip(row, alone[1][0])) < 1e-5
 
@@ -2008,7 +2009,7 @@ def test_static_shape_path_gives_the_same_rollout(monkeypatch, tiny):
         envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
         monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Stay"], True))  # only row 1 ends
         outs.append(rollout.rollout(model, tok, envs, [5, 5, 6, 6], preset, group_size=2, max_turns=3, max_new_tokens=12,
-                                    max_context=1500, greedy=True, sampler=rollout.Sampler(static=static)))
+                                    max_context=1500, greedy=True, sampler=sampler.Sampler(static=static)))
     a, b = outs
     assert a["stats"]["num_turns"].tolist()[:2] == [3, 1]
     assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
@@ -2046,12 +2047,12 @@ def test_context_overflow_truncates_cleanly(tiny):
 
 def test_gumbel_sampler_draws_from_the_softmax_and_nucleus():
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(40000, 1)             # [N, 4]
-    keys = rollout.row_keys(range(40000), [9] * 40000)
-    tok, lp = rollout.sample_next(logits, keys, temperature=0.8)
+    keys = sampler.row_keys(range(40000), [9] * 40000)
+    tok, lp = sampler.sample_next(logits, keys, temperature=0.8)
     freq = torch.bincount(tok, minlength=4) / len(tok)
     assert torch.allclose(freq, torch.softmax(logits[0] / 0.8, -1), atol=0.01)
     assert torch.allclose(lp, torch.log_softmax(logits / 0.8, -1).gather(-1, tok[:, None]).squeeze(-1))
-    tok, _ = rollout.sample_next(logits, keys, top_p=0.7)  # nucleus of p = [.64, .24, ...] at 0.7: tokens 2 and 1
+    tok, _ = sampler.sample_next(logits, keys, top_p=0.7)  # nucleus of p = [.64, .24, ...] at 0.7: tokens 2 and 1
     p = torch.softmax(logits[0], -1)[[2, 1]]
     freq = torch.bincount(tok, minlength=4) / len(tok)
     assert freq[0] == 0 and freq[3] == 0 and abs(freq[2] - p[0] / p.sum()) < 0.01
@@ -2067,10 +2068,10 @@ def test_sampler_noise_is_splitmix64_of_the_key_and_the_vocab_index():
     signed = lambda z: z - 2 ** 64 if z >= 2 ** 63 else z
     keys = torch.tensor([0, 1, -1, 2 ** 62 + 12345, -(2 ** 63), 987654321])
     kept = keys.clone()
-    assert rollout.mix64(keys).tolist() == [signed(mix(k % 2 ** 64)) for k in keys.tolist()]
+    assert sampler.mix64(keys).tolist() == [signed(mix(k % 2 ** 64)) for k in keys.tolist()]
     logits = torch.randn(len(keys), 50, generator=torch.Generator().manual_seed(0)) * 3   # [B, V]
     logits_kept = logits.clone()
-    tok, lp = rollout.sample_next(logits, keys, temperature=0.7)
+    tok, lp = sampler.sample_next(logits, keys, temperature=0.7)
     assert torch.equal(keys, kept) and torch.equal(logits, logits_kept)
     logp = torch.log_softmax(logits / 0.7, -1)
     for b, k in enumerate(keys.tolist()):
@@ -2151,12 +2152,12 @@ def test_each_family_samples_like_hf(tmp_path, arch):
     model, tok = models.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
     assert type(model).__name__ == FAMILIES[arch]
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
-    ours, _ = rollout.generate(model, prompts, 16, greedy=True)
+    ours, _ = sampler.generate(model, prompts, 16, greedy=True)
     ids, mask = padded(prompts, left=True)
     hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
                         eos_token_id=None)[:, ids.shape[1]:]
     assert hf.tolist() == ours
-    toks, lps = rollout.generate(model, prompts, 12, temperature=0.7, seed=3)
+    toks, lps = sampler.generate(model, prompts, 12, temperature=0.7, seed=3)
     for p, o, lp in zip(prompts, toks, lps):
         x = torch.tensor([p + o])
         assert torch.allclose(teacher_forced_logp(model, x, torch.ones_like(x), 0.7)[0, len(p):], torch.tensor(lp), atol=1e-4)
@@ -2200,7 +2201,7 @@ def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message
 
 def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeypatch):
     """A sampler without Qwen3's q_norm / k_norm samples other tokens than HF: refused at load time."""
-    real = rollout.forward_cached
+    real = sampler.forward_cached
 
     def skipping(model, *a):
         attns = [layer.self_attn for layer in model.model.layers]
@@ -2214,7 +2215,7 @@ def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeyp
                 x.q_norm, x.k_norm = q, k
 
     path = save_family(tmp_path / "q3", "qwen3")
-    monkeypatch.setattr(rollout, "forward_cached", skipping)
+    monkeypatch.setattr(sampler, "forward_cached", skipping)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
         models.load_model(path)
 
@@ -2318,7 +2319,7 @@ def test_answer_end_cuts_at_the_token_that_completes_the_pattern(tiny):
 def test_nothing_after_the_closing_tag_is_trained_or_shown_again(tagged, think, how):
     model, tok = tagged[think]
     kw = dict(kv="", reprefill=dict(kv_reuse=False), limited_multi_turn=dict(window_mode="limited_multi_turn"),
-              **{"static-check8": dict(sampler=rollout.Sampler(static=True, check_every=8))})[how] or {}
+              **{"static-check8": dict(sampler=sampler.Sampler(static=True, check_every=8))})[how] or {}
     cut, uncut = tag_rollout(model, tok, think, **kw), tag_rollout(model, tok, think, stop_at_answer=False, **kw)
     (spans, texts), (uspans, utexts) = answer_spans(cut, tok), answer_spans(uncut, tok)
     closed = 0
@@ -2352,8 +2353,8 @@ def test_cut_turns_are_exact_on_every_cache_path(tiny, monkeypatch, think):
     pattern = r"<think>(.*?)[a-m](.*?)[n-z]" if think else r"<answer>(.*?)[a-m]"
     monkeypatch.setitem(rollout.TURN_PATTERNS, think, __import__("re").compile(pattern, __import__("re").DOTALL))
     runs = {how: tag_rollout(model, tok, think, max_new_tokens=30, temperature=1.0, **kw) for how, kw in [
-        ("reprefill", dict(kv_reuse=False)), ("kv", {}), ("check8", dict(sampler=rollout.Sampler(check_every=8))),
-        ("static-check8", dict(sampler=rollout.Sampler(static=True, check_every=8)))]}
+        ("reprefill", dict(kv_reuse=False)), ("kv", {}), ("check8", dict(sampler=sampler.Sampler(check_every=8))),
+        ("static-check8", dict(sampler=sampler.Sampler(static=True, check_every=8)))]}
     ref = runs.pop("reprefill")
     assert 0 < ref["stats"]["response_tokens"].sum() < 8 * 3 * 30  # some turns were cut
     for how, out in runs.items():
@@ -2423,7 +2424,7 @@ def test_shared_prefixes_tree_and_saved_tokens():
     # rows 0-2 share [1, 2, 3]; rows 0 and 1 share a 4th token; row 3 stops after its shared token; row 4 idles;
     # row 5 shares nothing. Every row keeps its last token to itself.
     prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6, 7], [1, 2, 3, 9], [1, 2], [], [8, 8]]
-    nodes, saved = rollout.shared_prefixes(prompts)
+    nodes, saved = sampler.shared_prefixes(prompts)
     assert nodes == [(-1, 0, 1, [0, 1, 2, 3]), (0, 1, 3, [0, 1, 2]), (1, 3, 4, [0, 1])]
     assert saved == [0, 1 + 2 + 1, 1 + 2, 1, 0, 0]
 
@@ -2438,12 +2439,12 @@ def test_prefix_shared_prefill_is_exact(tiny, static):
     head = enc("<|im_start|>system\nYou are a walker. Walk to the right end of the corridor.\n")
     prompts = [head + enc("board A\n")] * 3 + [head + enc("board B\n"), head + enc("board"), [], head[:5] + enc("x"),
                                                enc("nothing shared at all")]
-    sampler = rollout.Sampler(static=static)
+    how = sampler.Sampler(static=static)
     runs = []
     for share in (True, False):
-        cache = rollout.KVCache(model, 10 if static else len(prompts), 256, static=static)  # static: 2 extra idle rows
-        keys = rollout.row_keys([0] * len(prompts), range(len(prompts)))
-        runs.append(rollout.sample_turn(model, cache, prompts, 12, (), keys, 0.8, 1.0, False, sampler, share))
+        cache = sampler.KVCache(model, 10 if static else len(prompts), 256, static=static)  # static: 2 extra idle rows
+        keys = sampler.row_keys([0] * len(prompts), range(len(prompts)))
+        runs.append(sampler.sample_turn(model, cache, prompts, 12, (), keys, 0.8, 1.0, False, how, share))
     (ta, la), (tb, lb) = runs
     assert ta == tb and [len(t) for t in ta] == [12] * 5 + [0] + [12] * 2
     assert max(abs(x - y) for ra, rb in zip(la, lb) for x, y in zip(ra, rb)) < 1e-5
@@ -2455,7 +2456,7 @@ def test_prefix_shared_prefill_is_exact(tiny, static):
             envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
             outs.append(rollout.rollout(model, tok, envs, [5, 5, 5, 7, 7, 7], preset, group_size=3, max_turns=3,
                                         max_new_tokens=10, max_context=1500, think=think, kv_reuse=reuse,
-                                        sampler=sampler, share_prefixes=share))
+                                        sampler=how, share_prefixes=share))
         a, b = outs
         assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
         saved, prefilled = a["stats"]["prefill_saved"], a["stats"]["prefill_tokens"]
@@ -2467,26 +2468,26 @@ def test_prefix_shared_prefill_is_exact(tiny, static):
 @pytest.mark.parametrize("static,m", [(False, 8), (True, 8), (False, 64), (True, 64)])  # 8: the CPU's, 64: CUDA's
 def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, static, m):
     # every prefill (first prompts, the shared-prefix spans, later turns' appends, re-prefills) runs padded to a
-    # multiple of rollout.PREFILL_MULTIPLE tokens with its key length rounded up alike (at most the cache's slots),
+    # multiple of sampler.PREFILL_MULTIPLE tokens with its key length rounded up alike (at most the cache's slots),
     # so nearby lengths share one shape; the padding is masked, so the tokens and log-probs are those of the exact
     # lengths (multiple 1), on the eager cache and the static pool, with KV reuse and with re-prefill
     model, tok = tiny
-    real, calls = rollout.forward_cached, []
+    real, calls = sampler.forward_cached, []
 
     def recording(model, k_cache, v_cache, lens, ids, n, end):
         calls.append((ids.shape[1], end, k_cache[0].shape[2]))  # (T, key length, slots)
         return real(model, k_cache, v_cache, lens, ids, n, end)
-    monkeypatch.setattr(rollout, "forward_cached", recording)
+    monkeypatch.setattr(sampler, "forward_cached", recording)
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
     for reuse in (True, False):
         outs, shapes = [], []
         for multiple in (1, m):
-            monkeypatch.setattr(rollout, "PREFILL_MULTIPLE", {"cpu": multiple})
+            monkeypatch.setattr(sampler, "PREFILL_MULTIPLE", {"cpu": multiple})
             calls.clear()
             envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
             outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4], preset, group_size=3, max_turns=3,
                                         max_new_tokens=10, max_context=1500, kv_reuse=reuse, sample_seed=1,
-                                        sampler=rollout.Sampler(static=static)))
+                                        sampler=sampler.Sampler(static=static)))
             shapes.append([c for c in calls if c[0] > 1])  # the prefills (a decode step has T = 1)
         exact, bucketed = shapes
         assert any(t % m for t, _, _ in exact) and any(e % m for _, e, s in exact if e < s)  # lengths that need it
@@ -2498,7 +2499,7 @@ def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, stat
 
 def test_prefills_split_by_rows_under_the_mask_budget_change_no_token(monkeypatch, tiny):
     # a prefill's additive mask is [B, 1, G*T, end] (23 GB for 128 rows re-prefilled at 3,600 tokens in bf16 on
-    # Qwen2.5-0.5B); forward_cached runs it in row chunks of at most rollout.PREFILL_MASK_BYTES, with the same
+    # Qwen2.5-0.5B); forward_cached runs it in row chunks of at most sampler.PREFILL_MASK_BYTES, with the same
     # tokens and log-probs as in one piece
     model, tok = tiny
     F, cfg = torch.nn.functional, model.config
@@ -2511,7 +2512,7 @@ def test_prefills_split_by_rows_under_the_mask_budget_change_no_token(monkeypatc
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
     outs, rows = [], []
     for budget in (2**40, 1):  # no split; one row at a time
-        monkeypatch.setattr(rollout, "PREFILL_MASK_BYTES", budget)
+        monkeypatch.setattr(sampler, "PREFILL_MASK_BYTES", budget)
         widest.clear()
         envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
         outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4], preset, group_size=3, max_turns=3,
@@ -2566,7 +2567,7 @@ def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
     for static in (False, True):
         envs = [LongThenDoneEnv(580, ends=True), LongThenDoneEnv(5, ends=False)]  # row 0: 847-token prompt
         outs.append(rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=3, max_new_tokens=40,
-                                    max_context=900, greedy=True, think=False, sampler=rollout.Sampler(static=static)))
+                                    max_context=900, greedy=True, think=False, sampler=sampler.Sampler(static=static)))
     a, b = outs
     assert a["stats"]["num_turns"].tolist() == [1, 3] and a["stats"]["response_tokens"][0] == 40  # row 0 idles at 886
     assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
@@ -2575,16 +2576,16 @@ def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
 def test_one_static_pool_reused_and_replaced_never_duplicated(monkeypatch, tiny):
     # one pool, sized for the largest batch; smaller batches run in it, bigger ones replace it
     model, tok = tiny
-    static = rollout.Sampler(static=True)
-    monkeypatch.setattr(rollout, "_POOL", {})
+    static = sampler.Sampler(static=True)
+    monkeypatch.setattr(sampler, "_POOL", {})
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three", "four"]]
-    big = rollout.generate(model, prompts, 8, greedy=True, sampler=static)
-    k0 = rollout._POOL["kv"][0][0]
-    small = rollout.generate(model, prompts[1:3], 8, greedy=True, sampler=static)  # fits: same tensors, idle extra rows
-    assert rollout._POOL["kv"][0][0] is k0 and small[0] == big[0][1:3]
-    rollout.generate(model, prompts * 2, 8, greedy=True, sampler=static)           # 8 rows: replaces the pool
-    assert len(rollout._POOL) == 1 and rollout._POOL["kv"][0][0].shape[0] == 8
-    eager = rollout.generate(model, prompts, 8, greedy=True)
+    big = sampler.generate(model, prompts, 8, greedy=True, sampler=static)
+    k0 = sampler._POOL["kv"][0][0]
+    small = sampler.generate(model, prompts[1:3], 8, greedy=True, sampler=static)  # fits: same tensors, idle extra rows
+    assert sampler._POOL["kv"][0][0] is k0 and small[0] == big[0][1:3]
+    sampler.generate(model, prompts * 2, 8, greedy=True, sampler=static)           # 8 rows: replaces the pool
+    assert len(sampler._POOL) == 1 and sampler._POOL["kv"][0][0].shape[0] == 8
+    eager = sampler.generate(model, prompts, 8, greedy=True)
     assert eager[0] == big[0]
 
 
@@ -2598,7 +2599,7 @@ def test_attention_mask_is_built_once_per_forward_in_the_compute_dtype(monkeypat
         return real(q, k, v, attn_mask=attn_mask, **kw)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
-    rollout.generate(model, prompts, 3, greedy=True)
+    sampler.generate(model, prompts, 3, greedy=True)
     per_forward = len(model.model.layers)
     assert len(masks) >= 3 * per_forward and len(masks) % per_forward == 0  # prefill (maybe in parts) + 2 decode steps
     for f in range(len(masks) // per_forward):
@@ -2614,7 +2615,7 @@ def test_folded_gqa_attention_equals_hf_at_qwen_head_ratio():
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=112, intermediate_size=64, num_hidden_layers=2,
                                              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)).eval()
     prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 47))]
-    ours, lps = rollout.generate(model, prompts, 10, greedy=True)
+    ours, lps = sampler.generate(model, prompts, 10, greedy=True)
     assert ours == reference_generate(model, prompts, 10)
     for p, o, lp in zip(prompts, ours, lps):
         x = torch.tensor([p + o])
@@ -2639,17 +2640,17 @@ def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_i
                                                think=False, sample_seed=4, sampler=sampler)
     eager = run()
     assert eager["stats"]["num_turns"].tolist() == [2] * 4
-    monkeypatch.setattr(rollout, "_POOL", {})
-    monkeypatch.setattr(rollout, "_COMPILED", {})
-    compiled = rollout.Sampler(static=True, compile="inductor", check_every=8)
+    monkeypatch.setattr(sampler, "_POOL", {})
+    monkeypatch.setattr(sampler, "_COMPILED", {})
+    compiled = sampler.Sampler(static=True, compile="inductor", check_every=8)
     fast, codes = run_and_get_code(run, compiled)
     assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
-    k = rollout._POOL["kv"][0][0]
+    k = sampler._POOL["kv"][0][0]
     layer_cache = k.numel()
     assert codes and all(math.prod(s) < layer_cache for c in codes for s in allocations(c))
-    ptrs = [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]]
+    ptrs = [x.data_ptr() for x in sampler._POOL["kv"][0] + sampler._POOL["kv"][1]]
     again = run(compiled)
-    assert [x.data_ptr() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1]] == ptrs
+    assert [x.data_ptr() for x in sampler._POOL["kv"][0] + sampler._POOL["kv"][1]] == ptrs
     assert torch.equal(again["tokens"], eager["tokens"])
 
 
@@ -2666,7 +2667,7 @@ def test_cuda_decode_runs_on_the_memory_efficient_sdpa_kernel():
     model = bench_model_qwen_shape(layers=2).cuda().to(torch.bfloat16)
     prompts = [list(range(5, 5 + n)) for n in (7, 30, 64)]
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        toks, _ = rollout.generate(model, prompts, 16, greedy=True)
+        toks, _ = sampler.generate(model, prompts, 16, greedy=True)
     assert all(len(t) == 16 for t in toks)
 
 
@@ -2684,16 +2685,16 @@ def test_compiled_sampler_never_reads_an_output_after_the_next_compiled_call(mon
     import bench
     model, tok = tiny
     torch._dynamo.reset()
-    monkeypatch.setattr(rollout, "_POOL", {})
-    monkeypatch.setattr(rollout, "_COMPILED", {})
+    monkeypatch.setattr(sampler, "_POOL", {})
+    monkeypatch.setattr(sampler, "_COMPILED", {})
     eager = emulated_rollout(model, tok)
     replay = bench.GraphReplayBackend()
-    fast = emulated_rollout(model, tok, rollout.Sampler(static=True, compile=replay, check_every=8))
+    fast = emulated_rollout(model, tok, sampler.Sampler(static=True, compile=replay, check_every=8))
     assert replay.graphs >= 2 and replay.calls > 20  # both functions compiled, every token through them
     assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
-    (a, la), (b, lb) = [rollout.generate(model, prompts, 10, temperature=0.7, top_p=0.9, seed=2, sampler=s)
-                        for s in (rollout.Sampler(static=True, compile=replay, check_every=4), None)]
+    (a, la), (b, lb) = [sampler.generate(model, prompts, 10, temperature=0.7, top_p=0.9, seed=2, sampler=s)
+                        for s in (sampler.Sampler(static=True, compile=replay, check_every=4), None)]
     assert a == b and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(la, lb))
 
 
@@ -2705,13 +2706,13 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
     import bench
     model, tok = tiny
     torch._dynamo.reset()
-    monkeypatch.setattr(rollout, "_POOL", {})
-    monkeypatch.setattr(rollout, "_COMPILED", {})
+    monkeypatch.setattr(sampler, "_POOL", {})
+    monkeypatch.setattr(sampler, "_COMPILED", {})
     rec = bench.RecordingBackend(bench.GraphReplayBackend())
-    sampler = rollout.Sampler(static=True, compile=rec, check_every=8)
+    how = sampler.Sampler(static=True, compile=rec, check_every=8)
     for step in range(3):
         for temperature in (0.5, 1.0):  # validation, then training
-            out = emulated_rollout(model, tok, sampler, seeds=(step, step, step + 1, step + 1), max_turns=3,
+            out = emulated_rollout(model, tok, how, seeds=(step, step, step + 1, step + 1), max_turns=3,
                                    temperature=temperature, top_p=0.95)
     assert out["tokens"].shape[1] > 2 * 128  # the key length crossed buckets
     assert [g["cpu_scalars"] for g in rec.graphs if g["cpu_scalars"]] == []
@@ -2732,19 +2733,19 @@ def test_sampler_samples_the_same_under_cuda_sdpa_output_layout(monkeypatch, tin
     # "compiled" runs under the CUDA-graph emulation, the rollouts are multi-turn (KV reuse, except "no-kv-reuse")
     import bench
     model, tok = tiny
-    sampler = dict(eager=None, static=rollout.Sampler(static=True), compiled="replay").get(path)
+    how = dict(eager=None, static=sampler.Sampler(static=True), compiled="replay").get(path)
     outs = []
     for patch in (False, True):
         torch._dynamo.reset()
-        monkeypatch.setattr(rollout, "_POOL", {})
-        monkeypatch.setattr(rollout, "_COMPILED", {})
+        monkeypatch.setattr(sampler, "_POOL", {})
+        monkeypatch.setattr(sampler, "_COMPILED", {})
         if patch:
             monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                                 cuda_layout_sdpa(torch.nn.functional.scaled_dot_product_attention))
-        s = rollout.Sampler(static=True, compile=bench.GraphReplayBackend(), check_every=8) if sampler == "replay" else sampler
+        s = sampler.Sampler(static=True, compile=bench.GraphReplayBackend(), check_every=8) if how == "replay" else how
         if path == "generate":
             prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
-            toks, lps = rollout.generate(model, prompts, 10, temperature=0.7, seed=2)
+            toks, lps = sampler.generate(model, prompts, 10, temperature=0.7, seed=2)
             outs.append(dict(tokens=torch.tensor([t + [0] * (10 - len(t)) for t in toks]),
                              old_logp=torch.tensor([l + [0.0] * (10 - len(l)) for l in lps])))
         else:
@@ -2807,9 +2808,9 @@ def test_sampler_logits_are_fp32_for_a_bf16_model():
     seen = []
     model.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
     ids = torch.tensor([tok.encode("hello world, a prompt", add_special_tokens=False)])  # [1, T]
-    cache = rollout.KVCache(model, 1, ids.shape[1] + 1)
+    cache = sampler.KVCache(model, 1, ids.shape[1] + 1)
     with torch.no_grad():
-        ours = rollout.forward_cached(model, cache.k, cache.v, cache.lens, ids, torch.tensor([ids.shape[1]]), ids.shape[1])
+        ours = sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids, torch.tensor([ids.shape[1]]), ids.shape[1])
     want = seen[-1].float() @ model.lm_head.weight.float().T  # [1, V] the bf16 model's hidden state, fp32 product
     assert ours.dtype == torch.float32 and want.abs().max() >= 16
     rounded = (want.to(torch.bfloat16).float() - want).abs().max()  # what a bf16 logit loses here
@@ -3458,11 +3459,11 @@ def test_memory_plan_matches_what_the_cpu_measures():
 def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny):
     import memplan
     model, tok = tiny
-    monkeypatch.setattr(rollout, "_POOL", {})
+    monkeypatch.setattr(sampler, "_POOL", {})
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2], preset, group_size=2,
-                    max_turns=1, max_new_tokens=4, max_context=1000, sampler=rollout.Sampler(static=True))
-    pool = sum(x.numel() * x.element_size() for x in rollout._POOL["kv"][0] + rollout._POOL["kv"][1])
+                    max_turns=1, max_new_tokens=4, max_context=1000, sampler=sampler.Sampler(static=True))
+    pool = sum(x.numel() * x.element_size() for x in sampler._POOL["kv"][0] + sampler._POOL["kv"][1])
     assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
 
 
@@ -4034,7 +4035,7 @@ def demo_rollout(model, tok, key, policy, seeds, think=True, epsilon=0.5, respon
     respond = sft.demo_responder(policy, epsilon, seeds, settings, 7, module)
     logged = lambda b, env: respond_log.append((b, respond(b, env))) or respond_log[-1][1]
     out = rollout.rollout(model, tok, envs, seeds, group_size=1, respond=respond if respond_log is None else logged,
-                          sampler=rollout.Sampler(), **settings)
+                          sampler=sampler.Sampler(), **settings)
     return out, settings
 
 
@@ -4300,7 +4301,7 @@ def test_eval_solver_agreement_replays_the_episodes(tiny, tmp_path, capsys):
             truth[b].append(text.split()[0].lower() == plan[0].lower())
             return text
         out = rollout.rollout(model, tok, [cls(**settings["preset"]["kwargs"]) for _ in seeds], seeds, group_size=1,
-                              respond=spy, sampler=rollout.Sampler(), **settings)
+                              respond=spy, sampler=sampler.Sampler(), **settings)
         assert ev.solver_agreement(out, key, settings, seeds, 1) == truth
         turns = [t for ts in truth for t in ts]
         assert all(turns) if policy == "solver" else 0 < sum(turns) < len(turns)

@@ -30,6 +30,7 @@ import fsdp
 import memplan
 import ranks
 import rollout as rollout_py
+import sampler as sampler_py
 import starpo
 
 DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
@@ -288,7 +289,7 @@ class State:
     critic: torch.nn.Module = None
     critic_opt: torch.optim.Optimizer = None
     ref: torch.nn.Module = None
-    sampler: rollout_py.Sampler = field(default_factory=rollout_py.Sampler)
+    sampler: sampler_py.Sampler = field(default_factory=sampler_py.Sampler)
     autocast: object = nullcontext  # () -> the forwards' autocast context
     share_prefix: bool = True  # the trunk passes compute a micro-batch's shared prompt prefix once
     ddp: bool = False  # under torchrun: FSDP2-sharded models, collectives
@@ -311,7 +312,7 @@ def build_models(args, device, ddp, rank, world):
         opt=torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay),
         critic_opt=None if critic is None else torch.optim.AdamW(critic.parameters(), lr=args.critic_lr,
                                                                  betas=(0.9, 0.999), weight_decay=args.weight_decay),
-        sampler=rollout_py.sampler_settings(device, args.sampler),  # auto: static + compiled exactly on CUDA
+        sampler=sampler_py.sampler_settings(device, args.sampler),  # auto: static + compiled exactly on CUDA
         autocast=(lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext,
         # the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept
         # group's first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
