@@ -332,9 +332,10 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
     (the t-th draw uses key + t). The last sampled token is not in the cache (the next turn appends it).
     sampler: how to run (Sampler); its static must match the cache's. share: prefill the prefixes that fresh
     rows share once (shared_prefixes); False computes every row's prompt (the reference the tests compare to).
-    stop_at(tokens) -> n or None (e.g. answer_end): a row also stops once its first n tokens are a complete turn
-    and keeps only those. It is checked with "all rows done" (every sampler.check_every tokens), so a row may
-    sample a few tokens past n: they are dropped and its cache row rolls back to the cut. The kept tokens and
+    stop_at(tokens, start) -> n or None (e.g. answer_end): a row also stops once its first n tokens are a complete
+    turn and keeps only those; start: tokens already known to complete none (each is tested once). It is checked
+    with "all rows done" (every sampler.check_every tokens), so a row may sample a few tokens past n: they are
+    dropped and its cache row rolls back to the cut. The kept tokens and
     log-probs are those the row draws without stop_at (a prefix of them: same keys, same logits)."""
     dev, A, R = cache.lens.device, len(new_ids), len(cache.lens)
     new_ids = list(new_ids) + [[]] * (R - A)                                    # static pool: extra rows idle
@@ -361,6 +362,7 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
     every = sampler.check_every
     temp = torch.tensor(float(temperature), device=dev)                        # [] device tensors, never a Python
     nucleus = None if top_p >= 1.0 else torch.tensor(float(top_p), device=dev)  # float: see "CUDA graphs" above
+    seen, cut = [[] for _ in range(A)], [None] * A  # stop_at: each row's tokens up to the last check, its cut if found
     tok, lp = sample(logits, keys, temp, nucleus, greedy)
     for t in range(max_new_tokens):
         out[:, t], out_lp[:, t] = tok, lp
@@ -368,11 +370,17 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
         done = done | torch.isin(tok, stop) | (count == max_new_tokens)
         if t == max_new_tokens - 1:
             break
-        if t % every == every - 1:  # the only host sync
-            if stop_at is not None:  # rows whose text completed a turn stop too (cut below)
-                rows = (~done[:A]).nonzero().flatten().tolist()
-                done[[b for b, ids in zip(rows, out[rows, :t + 1].tolist()) if stop_at(ids) is not None]] = True
+        if t % every == every - 1 and stop_at is None:  # the only host sync
             if bool(done.all()):
+                break
+        elif t % every == every - 1:  # the only host sync: one copy of the done flags and each row's newest tokens
+            new = torch.cat([done[:A, None].long(), out[:A, t + 1 - every:t + 1]], 1).tolist()  # [A, 1 + every]
+            for b, (d, *ids) in enumerate(new):  # a live row: does a cut among its newest tokens end its turn?
+                if not d:
+                    seen[b] += ids
+                    cut[b] = stop_at(seen[b], len(seen[b]) - every)
+            done[[b for b in range(A) if cut[b] is not None]] = True  # rows past A are idle: done from the start
+            if all(d or c is not None for (d, *_), c in zip(new, cut)):
                 break
         fed = (~done).long()                                                    # finished rows idle
         end = hi + 1 if not cache.static else min(cache.k[0].shape[2], (hi // 128 + 1) * 128)  # buckets: few graphs
@@ -381,8 +389,8 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
         hi += 1
     count, out, out_lp = count.tolist(), out.tolist(), out_lp.tolist()
     if stop_at is not None:  # keep each row up to its turn's end; its cache row holds the kept tokens but the last
-        for b in range(A):
-            n = stop_at(out[b][:count[b]])
+        for b in range(A):  # the cut found at a check, else one among the tokens after the row's last check
+            n = cut[b] if cut[b] is not None else stop_at(out[b][:count[b]], len(seen[b]))
             if n is not None and n < count[b]:
                 cache.lens[b] -= count[b] - n
                 count[b] = n
