@@ -1,6 +1,7 @@
 """How an episode is played, in one place for train.py, eval.py and sft.py: the environment registry (every env
-file's presets, the short names, the env's scripted policies), the agent-loop flags with their defaults, and
-agent_settings(), which turns flag values into rollout()'s keyword arguments.
+file's presets, the short names, the env's scripted policies), the agent-loop flags with their defaults,
+agent_settings(), which turns flag values into rollout()'s keyword arguments, and seen_boards() / unseen_seeds(),
+which tell seeds apart by the board they start on (eval.py --unseen, sft.py's held-out demonstrations).
 
 A new environment is one file plus one register() line at the end of this one. The file (env_cue.py is the
 smallest) holds a class with reset(seed) -> text, step(action text) -> (text, reward, done, info with "success"),
@@ -93,6 +94,27 @@ def agent_settings(preset_key, a):
                 format_penalty=a["format_penalty"], kv_reuse=not a["no_kv_reuse"], sample_seed=a["sample_seed"],
                 window=a["max_context_window"], window_mode=a["context_window_mode"],
                 share_prefixes=not a["no_prefix_sharing"], stop_at_answer=not a["no_stop_at_answer"])
+
+
+def seen_boards(preset_key, seeds):
+    """The boards episodes of preset_key from `seeds` start on: the set of their first observations, reset(seed)'s
+    text with the env's defaults (small grids repeat across seeds, so two seeds may show one board)."""
+    cls, preset, _ = ENV_CLASSES[preset_key]
+    env = cls(**preset["kwargs"])
+    return {env.reset(s) for s in seeds}
+
+
+def unseen_seeds(preset_key, seeds, seen, n=None):
+    """The seeds of `seeds`, in order, whose first observation (as seen_boards) is not in `seen`; with n, the first n
+    of them (fewer if `seeds` runs out)."""
+    cls, preset, _ = ENV_CLASSES[preset_key]
+    env, kept = cls(**preset["kwargs"]), []
+    for s in seeds:
+        if n is not None and len(kept) == n:
+            break
+        if env.reset(s) not in seen:
+            kept.append(s)
+    return kept
 
 
 # the registry: one line per environment file (class, file, and optionally a short name and the preset it picks)

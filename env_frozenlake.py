@@ -177,7 +177,7 @@ class FrozenLakeEnv:
         name = action.strip().capitalize() if isinstance(action, str) else None
         if self.done or name not in ACTIONS:  # invalid: nothing happens
             info = dict(action_is_valid=False, action_is_effective=False, success=self._on("G"))
-            return self.render(), 0.0, self.done, info
+            return self.render(), 0, self.done, info
         a = ACTIONS.index(name)
         if self.is_slippery:  # gymnasium: outcomes [(a-1)%4, a, (a+1)%4] with probabilities [f, s, f],
             u = self.rng.random()  # f = (1 - s) / 2, picked by cumsum > uniform (one draw even when s = 1)
@@ -188,7 +188,7 @@ class FrozenLakeEnv:
         c = min(max(old[1] + MOVES[a][1], 0), n - 1)
         self.pos = (r, c)
         self.done = self._on("G") or self._on("H")
-        reward = 1.0 if self._on("G") else 0.0
+        reward = 1 if self._on("G") else 0  # gymnasium >= 1.2.1: ints from reward_schedule (1, 0, 0)
         return self.render(), reward, self.done, dict(action_is_valid=True, action_is_effective=self.pos != old,
                                                       success=self._on("G"))
 

@@ -289,9 +289,10 @@ class SokobanEnv:
             lines.append("".join(self.glyphs[k] for k in codes))
         if self.observation_format == "grid":
             return "\n".join(lines)
-        # RAGEN-2 sokoban/utils.py format_coordinate_render: row-major lists, empty ones left out
+        # RAGEN-2 sokoban/utils.py format_coordinate_render: row-major lists, empty ones left out, no walls (its
+        # collect_entity_coordinates leaves them out, "too heavy")
         at = lambda keep: [(r, c) for r, row in enumerate(self.fixed) for c, k in enumerate(row) if keep((r, c), k)]
-        groups = [("Walls", at(lambda p, k: k == WALL)), ("Targets", at(lambda p, k: k == TARGET)),
+        groups = [("Targets", at(lambda p, k: k == TARGET)),
                   ("Boxes", at(lambda p, k: p in self.boxes and k != TARGET)),
                   ("Boxes on target", at(lambda p, k: p in self.boxes and k == TARGET)),
                   ("Player", at(lambda p, k: p == self.player and k != TARGET)),
