@@ -21,7 +21,8 @@ from fsdp import full_state, load_state, meta_copy
 # where and how long it runs, what it logs, memory, and the reference paths
 RESUME_MAY_CHANGE = ("resume", "out", "steps", "save_every", "wandb", "val_every", "device", "log_trajectories_every",
                      "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
-                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler", "measure_activations")
+                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler", "measure_activations",
+                     "dtype", "compute_dtype")  # and the dtype: a resumed run keeps its compute dtype unless --dtype names one
 
 
 def git_commit():
@@ -30,6 +31,14 @@ def git_commit():
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except OSError:
         return None
+
+
+def changed_flags(saved, args, may_change):
+    """A resume's check (train.py, sft.py): the flags of a run's args `saved` (a dict) that args now gives otherwise,
+    those in may_change aside, as '--flag was a, now b'. A key saved lacks (a flag newer than the run, or derived from
+    others) is not compared."""
+    return [f"--{k.replace('_', '-')} was {v!r}, now {getattr(args, k, None)!r}" for k, v in saved.items()
+            if k not in may_change and getattr(args, k, None) != v]
 
 
 def open_run(args):
@@ -46,12 +55,9 @@ def open_run(args):
         if ckpt["step"] >= args.steps:
             raise ValueError(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} "
                              "leaves nothing to do")
-        changed = {k: (v, getattr(args, k)) for k, v in ckpt["args"].items()
-                   if k not in RESUME_MAY_CHANGE
-                   and getattr(args, k, None) != v}
+        changed = changed_flags(ckpt["args"], args, RESUME_MAY_CHANGE)
         if changed:
-            raise ValueError(f"--resume {args.resume}: flags differ from the run's args.json: " +
-                             ", ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
+            raise ValueError(f"--resume {args.resume}: flags differ from the run's args.json: {', '.join(changed)}")
         args.out = args.resume
     elif args.out is not None and os.path.exists(os.path.join(args.out, "ckpt.pt")):
         raise ValueError(f"--out {args.out} holds a checkpoint: continue it with --resume {args.out}, or choose another --out")
@@ -119,16 +125,18 @@ def lora_export(model_name, lora_config, adapter_sd, adapter_dir=None):
     return model.merge_and_unload()
 
 
-def save_checkpoint(args, step, monitor, st):
+def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout_model, tok, lora_config, rank):
     """ckpt.pt and a plain HF directory <args.out>/hf, both written under temporary names and renamed in: hf first,
-    ckpt.pt last (the commit). st: train.py's State (the models, optimisers, tokenizer, rank). Every rank calls it
-    (the state dicts are gathered collectively), rank 0 writes. Killed at any instant, the previous checkpoint stays
+    ckpt.pt last (the commit). ckpt.pt holds the actor and the critic (None: none) with their optimisers opt and
+    critic_opt, the torch RNG, step and monitor; hf/ the actor's weights in rollout_model's structure (under LoRA:
+    the --model reloaded with the adapter of lora_config(), a factory, merged in) and tok. Every rank calls it (the
+    state dicts are gathered collectively), rank 0 writes. Killed at any instant, the previous checkpoint stays
     whole, hf/ is ahead of ckpt.pt for at most one rename, and clean_interrupted_checkpoint() puts it back; a failed
     write raises OSError, which says so."""
     lora = args.lora_rank > 0  # LoRA: adapters (+ critic head)
-    actor_sd, actor_osd = full_state(st.actor, st.opt, lora)
-    critic_sd, critic_osd = full_state(st.critic, st.critic_opt, lora) if st.critic is not None else (None, None)
-    if st.rank != 0:
+    actor_sd, actor_osd = full_state(actor, opt, lora)
+    critic_sd, critic_osd = full_state(critic, critic_opt, lora) if critic is not None else (None, None)
+    if rank != 0:
         return
     state = dict(step=step, args={k: v for k, v in vars(args).items()}, actor=actor_sd, actor_opt=actor_osd,
                  critic=critic_sd, critic_opt=critic_osd, torch_rng=torch.get_rng_state(), monitor=monitor)
@@ -136,16 +144,16 @@ def save_checkpoint(args, step, monitor, st):
     try:
         clean_interrupted_checkpoint(args.out)
         torch.save(state, j("ckpt.pt.tmp"))
-        if lora:  # the peft config of the actor's adapters (st.lora_config: its factory)
-            export = lora_export(args.model, st.lora_config(), actor_sd,
+        if lora:  # the peft config of the actor's adapters
+            export = lora_export(args.model, lora_config(), actor_sd,
                                  os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
         else:
             # the rollout copy's structure holding the gathered CPU tensors themselves: no weight copy, none on the GPU
-            export = meta_copy(st.rollout_model)
+            export = meta_copy(rollout_model)
             export.load_state_dict(actor_sd, assign=True)
             export.tie_weights()
         export.save_pretrained(j("hf.tmp"))
-        st.tok.save_pretrained(j("hf.tmp"))
+        tok.save_pretrained(j("hf.tmp"))
         if os.path.isdir(j("hf")):
             os.rename(j("hf"), j("hf.old"))
         os.rename(j("hf.tmp"), j("hf"))
@@ -155,14 +163,15 @@ def save_checkpoint(args, step, monitor, st):
         raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
 
 
-def load_checkpoint(args, ckpt, st):
-    """Fill train.py's State st (models, optimisers) and the torch RNG from open_run's checkpoint ckpt (None: a fresh
-    run). Returns (the first step to run, the collapse indicators and stop counters, checkpointed with the run)."""
+def load_checkpoint(args, ckpt, actor, opt, critic, critic_opt):
+    """Fill the actor, the critic (None: none) and their optimisers, and the torch RNG, from open_run's checkpoint
+    ckpt (None: a fresh run). Returns (the first step to run, the collapse indicators and stop counters, checkpointed
+    with the run)."""
     if ckpt is None:
         return 0, {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
-    load_state(st.actor, st.opt, ckpt["actor"], ckpt["actor_opt"], args.lora_rank > 0)
-    if st.critic is not None:
-        load_state(st.critic, st.critic_opt, ckpt["critic"], ckpt["critic_opt"], args.lora_rank > 0)
+    load_state(actor, opt, ckpt["actor"], ckpt["actor_opt"], args.lora_rank > 0)
+    if critic is not None:
+        load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"], args.lora_rank > 0)
     torch.set_rng_state(ckpt["torch_rng"])
     return ckpt["step"] + 1, ckpt["monitor"]
 
@@ -174,12 +183,13 @@ def print_summary(args):
     vals = [v for v in map(json.loads, open(os.path.join(o, "metrics.jsonl"))) if key in v]
     if len(vals) > 1:
         a, b = vals[0], vals[-1]
-        ok = lambda v, e: 1 - v[f"val-env/{e}/format_errors"] / max(v[f"val-env/{e}/num_turns"], 1e-9)
+        ok = lambda v, e: ("n/a" if not v[f"val-env/{e}/num_turns"] else  # a rate over no turn played
+                           f"{1 - v[f'val-env/{e}/format_errors'] / v[f'val-env/{e}/num_turns']:.3f}")
         print(f"\nheld-out validation, {args.val_groups} seeds per preset, step {a['step']} -> {b['step']}:")
         for e in args.val_env:
             print(f"  {e}: success {a[f'val-env/{e}/success']:.3f} -> {b[f'val-env/{e}/success']:.3f} | score "
                   f"{a[f'val-env/{e}/score']:.3f} -> {b[f'val-env/{e}/score']:.3f} | format-valid turns "
-                  f"{ok(a, e):.3f} -> {ok(b, e):.3f}")
+                  f"{ok(a, e)} -> {ok(b, e)}")
     plot = None
     if args.demo and importlib.util.find_spec("matplotlib"):
         from eval import plot_run

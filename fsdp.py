@@ -177,9 +177,9 @@ def load_on_rank0(name, ddp, master):
     return model, tok
 
 
-def build_models(name, device, ddp, rank, bf16, ppo, with_ref, lora=(0, 64, "all-linear"), grad_checkpointing=False):
+def build_models(name, device, ddp, rank, bf16, with_critic, with_ref, lora=(0, 64, "all-linear"), grad_checkpointing=False):
     """train.py's models from the model `name`: fp32 master weights, built on the meta device, sharded when ddp,
-    then filled from rank 0 (this file's docstring says how and why). ppo: a critic (a value head on a copy of the
+    then filled from rank 0 (this file's docstring says how and why). with_critic: a critic (a value head on a copy of the
     trunk); with_ref: a frozen reference (under LoRA none: the actor with its adapter off is the reference);
     lora: (rank, alpha, target modules), rank 0 = full fine-tuning; bf16: the rollout copy in bf16. Returns a dict:
     actor, critic, ref, rollout_model (the actor itself on one fp32 process without LoRA, else an unsharded copy),
@@ -187,7 +187,7 @@ def build_models(name, device, ddp, rank, bf16, ppo, with_ref, lora=(0, 64, "all
     master, (lora_rank, lora_alpha, lora_target) = rank == 0, lora
     loaded, tok = load_on_rank0(name, ddp, master)  # rank 0's real weights go into the state dicts below
     ref = meta_copy(loaded).eval().requires_grad_(False) if with_ref and not lora_rank else None
-    critic_src = Critic(loaded) if ppo else None  # rank 0: a real trunk copy, on the CPU
+    critic_src = Critic(loaded) if with_critic else None  # rank 0: a real trunk copy, on the CPU
     if grad_checkpointing:
         loaded.gradient_checkpointing_enable()
         if critic_src is not None:

@@ -134,10 +134,35 @@ def self_check(model, tol=1e-3):
                          f"(max error {err:.2g} x logit std > {tol:g}); refusing a model it would sample wrong")
 
 
+def native_bf16():
+    """Whether this CPU has bf16 matrix units, by torch's own checks (AVX512-BF16 or AMX): there a bf16 matmul runs
+    several times faster than fp32 (results/performance.md); without them bf16 is emulated, 10-150x slower."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def compute_dtype(flag, device):
+    """The dtype that train.py's, sft.py's and eval.py's --dtype names: "fp32", "bf16", or "auto" = bf16 on CUDA and on
+    a CPU with native bf16, fp32 on other CPUs. Weights and AdamW stay fp32 wherever they train (bf16 autocast)."""
+    if flag not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"--dtype {flag!r}: need auto, fp32 or bf16")
+    if flag != "auto":
+        return flag
+    return "bf16" if torch.device(device).type == "cuda" or native_bf16() else "fp32"
+
+
+def cast_parameters(model, dtype):
+    """The model with its parameters in dtype and its buffers as they are: RoPE's inv_freq stays fp32 (in bf16 it
+    moves Qwen2.5's rotation angle by ~1 rad at position 1k). Every copy that samples follows this rule: load_model,
+    bench.py, and fsdp.meta_copy (train.py's rollout copy), so eval.py and train.py sample from the same model."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def load_model(name, device="cpu", dtype=torch.float32):
     """(model, tokenizer) for "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id. Unsupported
     architectures are refused from the config; every model is then self-checked in fp32 on the CPU before it
-    moves to `device` and `dtype`."""
+    moves to `device` and its parameters to `dtype` (cast_parameters)."""
     if name in ("tiny", "tiny-qwen2"):
         model, tok = build_tiny("llama" if name == "tiny" else "qwen2")
     else:
@@ -164,4 +189,4 @@ def load_model(name, device="cpu", dtype=torch.float32):
             raise ValueError(f"{path} has no chat template (an instruct model is needed)")
     rollout.chat_pieces(tok)  # a template rollout cannot extend fails here, not mid-run
     self_check(model)
-    return model.to(device=device, dtype=dtype), tok
+    return cast_parameters(model.to(device), dtype), tok

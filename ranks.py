@@ -2,9 +2,27 @@
 contiguous share of the groups and then holds the whole rollout (all_gather_rows); every rank trains its share of
 each mini-batch (update_partition) and the update's metrics are averaged over ranks (all_reduce_mean). The models'
 side, FSDP2 sharding, is fsdp.py. ddp: under torchrun (a process group); without it nothing is exchanged.
+init_compute, this rank's device and process group, serves train.py and sft.py.
 """
+import datetime
+import os
+
 import torch
 import torch.distributed as dist
+
+
+def init_compute(device_flag, ddp, timeout_min):
+    """This rank's device from a --device flag (auto | cpu | cuda; auto: CUDA when available), on CUDA the LOCAL_RANK'th
+    GPU, made current; and, when ddp, the process group (NCCL on CUDA, else gloo) whose
+    collectives wait at most timeout_min minutes."""
+    if device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if ddp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    return device
 
 
 def rows_of_rank(n, rank, world):
