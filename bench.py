@@ -14,11 +14,14 @@
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
 """
 import argparse
+import contextlib
 import copy
 import models
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
 import sampler
@@ -39,7 +42,7 @@ def first_turn_prompts(tok, batch):
     for i in range(batch):
         env = SokobanEnv(**preset["kwargs"])
         user = preset["instruction"] + rollout.turn_prompt(preset, 1, env.reset(i), preset["max_actions_per_traj"], True)
-        ids = tok.encode(head + user + gen + "<think>", add_special_tokens=False)
+        ids = tok.encode(head + user + gen + rollout.THINK_OPEN, add_special_tokens=False)
         cut = len(tok.encode(head, add_special_tokens=False))
         prompts.append(ids[:cut] + ids[cut + i % 9:])
     return prompts
@@ -304,7 +307,7 @@ def qwen25_05b_random(device, dtype, layers=24):
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                       rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+        model = models.cast_parameters(Qwen2ForCausalLM(cfg), dtype)  # inv_freq stays fp32
     return model.eval()
 
 
@@ -414,12 +417,12 @@ STEP_SIDES = {"before": "--no-prefix-sharing",  # the one speed-up a flag turns 
               "after": ""}                      # the defaults
 
 
-def time_step(model, repeats, threads, against=None, before=None):
+def time_step(model, repeats, threads, against=None, before=None, step_flags=""):
     """One train.py step (STEP) per side, sides interleaved `repeats` times, each a fresh process on the same seed;
     per phase (train.py's timing_s/*) the min and spread of each side and the speed-up. Sides: STEP_SIDES, or with
     `against` (another checkout, e.g. a git worktree of an older commit) that checkout's train.py against this
     one's, both with the defaults; with `before` (flags), this checkout with those flags against its defaults.
-    The scores, losses and sampled tokens are printed side by side."""
+    step_flags: train.py flags for both sides, after STEP (e.g. "--algo grpo --num-groups 4 --group-size 4"). The scores, losses and sampled tokens are printed side by side."""
     import json
     import os
     import subprocess
@@ -434,7 +437,8 @@ def time_step(model, repeats, threads, against=None, before=None):
     for _ in range(repeats):
         for name, (tree, flags) in sides.items():
             out = tempfile.mkdtemp()
-            cmd = [sys.executable, os.path.join(tree, "train.py"), "--model", model, *STEP.split(), *flags.split(), "--out", out]
+            cmd = [sys.executable, os.path.join(tree, "train.py"), "--model", model, *STEP.split(), *step_flags.split(), *flags.split(),
+                   "--out", out]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode:
                 raise SystemExit(f"train.py exited with {r.returncode}\n" + r.stdout[-2000:] + r.stderr[-3000:])
@@ -444,7 +448,7 @@ def time_step(model, repeats, threads, against=None, before=None):
                     times[name].setdefault(k[9:], []).append(v)
             print(f"  {name:7s} step {last[name]['timing_s/step']:7.1f} s", flush=True)
     a, b = sides
-    print(f"multi-turn PPO step, --model {model} {STEP}\n  {a}: {' '.join(sides[a])}\n  {b}: {' '.join(sides[b])}")
+    print(f"multi-turn step, --model {model} {STEP} {step_flags}\n  {a}: {' '.join(sides[a])}\n  {b}: {' '.join(sides[b])}")
     for phase in ("rollout", "old_logp", "ref_values", "update", "step"):
         ta, tb = times[a][phase], times[b][phase]
         gain = ratio(ta, tb) if min(ta) > 0.05 and min(tb) > 0.05 else "(phase skipped)"
@@ -489,7 +493,7 @@ def dry_run(layers, sampler, out):
 
 # ------------------------------------------------------------------------------------------------ CUDA-graph emulations
 # Two torch.compile backends that give the CPU the two CUDA-graph faults it cannot have (the test suite and
-# --gpu-check run every compiled path of rollout.py under them). Both run each captured graph eagerly.
+# --gpu-check run every compiled path of sampler.py under them). Both run each captured graph eagerly.
 
 class GraphReplayBackend:
     """A CUDA-graph replay writes its outputs into the same static buffers every time, and with CUDA graph trees
@@ -539,13 +543,269 @@ class RecordingBackend:
         return gm.forward if self.inner is None else self.inner(gm, example_inputs)
 
 
+# ------------------------------------------------------------------------------------------------ CUDA on fake tensors
+# The CUDA path's device, dtype and layout rules on a machine without a GPU: under FakeTensorMode, device="cuda"
+# tensors hold no data (shape, strides, dtype and device only) and every op runs its meta kernel, which for a
+# CUDA-only kernel (the efficient attention) gives CUDA's layout. The suite and --gpu-check trace the sampler and
+# the update's forward this way (fake_cuda_trace).
+# Two things cannot run there: a host read of tensor data (.tolist(), .item(), bool(), nonzero: sample_turn's
+# checks and everything after them), and backward (the autograd engine asks the accelerator for a CUDA stream,
+# which a CPU-only torch has none of, fake or not).
+
+@contextlib.contextmanager
+def fake_cuda():
+    """A FakeTensorMode in which device="cuda" tensors work on a CPU-only torch too. Python indexing (x[i], x[i] = y)
+    sets a device guard for its tensor's device, and a CPU-only build has no CUDA guard: for the duration, CUDA's slot
+    of c10's guard registry holds the CPU's no-op guard (a CUDA build already has one and is left alone)."""
+    import ctypes
+    import os
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    slot = None
+    if not torch.backends.cuda.is_built():
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        guards = (ctypes.c_void_p * 2).in_dll(lib, "_ZN3c104impl26device_guard_impl_registryE")  # [CPU, CUDA]
+        if guards[1] is None:
+            slot, guards[1] = guards, guards[0]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            yield mode
+    finally:
+        if slot is not None:
+            slot[1] = None
+
+
+def fake_cuda_model(model, dtype):
+    """model, in place, with fake CUDA parameters in dtype (tied ones stay tied) and fake CUDA buffers in their own
+    dtype (models.cast_parameters' rule: RoPE's inv_freq stays fp32). Call it inside fake_cuda()."""
+    made = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device="cuda"), p.requires_grad)
+                m._parameters[name] = made[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cuda")
+    return model
+
+
+def efficient_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention as CUDA's memory-efficient kernel runs it. Autocast casts the inputs first (SDPA
+    is on its lower-precision list); then an AssertionError unless the inputs are ones that kernel takes: one device;
+    q, k, v of one dtype; an additive mask in that dtype (the kernel raises "invalid dtype for bias" on any other)
+    or a bool one; a head dim that is a multiple of 8 and unit last-dim strides (else SDPA falls back to math). The
+    output is the kernel's: on fake tensors its meta kernel's, a transposed view of [B, L, H, D] memory.
+    enable_gqa (HF's attention passes it; the sampler folds its query heads instead) repeats K/V first."""
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        attn_mask = attn_mask.to(dtype) if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
+    assert q.device == k.device == v.device and (attn_mask is None or attn_mask.device == q.device), \
+        f"SDPA inputs on {q.device}, {k.device}, {v.device}, mask {None if attn_mask is None else attn_mask.device}"
+    assert q.dtype == k.dtype == v.dtype, f"SDPA q, k, v in {q.dtype}, {k.dtype}, {v.dtype}"
+    assert attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype), f"mask in {attn_mask.dtype}, query in {q.dtype}"
+    assert q.shape[-1] % 8 == 0 and k.shape[-1] == q.shape[-1] and v.shape[-1] % 8 == 0, f"head dim {q.shape[-1]}"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "SDPA inputs need a unit last-dim stride"
+    if enable_gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # SDPA turns a bool mask into an additive one
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # [B, H, L, S]
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))  # backward needs the log-sum-exp
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, grad, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+
+
+class AllTrueMasks(TorchDispatchMode):
+    """Answers the two host reads of the update's forward for bool masks that are all True (the only masks
+    fake_cuda_trace passes): a boolean-mask index selects every position (nonzero of an all-True mask, in row-major
+    order) and a bool read on the host (bool(mask.any())) is True. Any other host read still raises."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            index = []
+            for i in args[1]:
+                if i is not None and i.dtype == torch.bool:  # every position of i's dims, as long indices
+                    grid = torch.meshgrid(*[torch.arange(s, device=i.device) for s in i.shape], indexing="ij")
+                    index += [g.reshape(-1) for g in grid]
+                else:
+                    index.append(i)
+            return func(args[0], index)
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+            return True
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype=torch.bfloat16):
+    """torch.autocast("cuda", dtype), which turns itself off where CUDA is not available; this one does not."""
+    before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", before[0])
+        torch.set_autocast_dtype("cuda", before[1])
+
+
+def fake_cuda_trace(arch="llama", T=24):
+    """The CUDA path of build_tiny(arch) on fake CUDA tensors, SDPA as CUDA's efficient kernel (efficient_sdpa):
+      sampler  the bf16 rollout model: forward_cached (a ragged prefill in row chunks, a decode step), sample_next,
+               decode_step (top-p, greedy), prefill_shared, KVCache.select and ensure
+      update   the actor's forward as train.py runs it on one process (fp32 weights, bf16 autocast) and under FSDP2
+               (bf16 parameters): starpo.token_logprobs with entropy on 3 rows of T tokens, the policy, entropy and
+               KL losses, the critic's values and value loss (no backward: see above)
+    A device, dtype or layout that CUDA refuses raises. Returns {name: (shape, dtype, device type)} of the results,
+    and under "sdpa" the sampler's SDPA calls as (output strides, enable_gqa)."""
+    import fsdp
+    F, B = torch.nn.functional, 3  # rows (the sampler's: a long prompt, a short one, an idle row)
+    real_sdpa, mask_bytes = F.scaled_dot_product_attention, sampler.PREFILL_MASK_BYTES
+    calls, seen = [], {}
+    put = lambda name, x: seen.__setitem__(name, (tuple(x.shape), x.dtype, x.device.type))
+
+    def sampler_sdpa(*a, **k):  # efficient_sdpa, recording each call's output strides and whether it asked for GQA
+        o = efficient_sdpa(*a, **k)
+        calls.append((o.stride(), k.get("enable_gqa", False)))
+        return o
+    rollout_model, actor, fsdp_actor = (models.build_tiny(arch)[0] for _ in range(3))
+    critic = fsdp.Critic(actor)
+    try:
+        with fake_cuda(), torch.no_grad():  # the sampler
+            F.scaled_dot_product_attention = sampler_sdpa
+            sampler.PREFILL_MASK_BYTES = 1  # one row per prefill chunk
+            model = fake_cuda_model(rollout_model, torch.bfloat16)
+            cache = sampler.KVCache(model, B, 80)
+            ids = torch.zeros(B, 16, dtype=torch.long, device="cuda")                              # [B, 16] right-padded
+            n = torch.tensor([13, 5, 0], device="cuda")                                            # [B] the last row idles
+            logits = sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids, n, 16)       # [B, V]
+            cache.lens += n
+            keys, temp, top_p = (torch.arange(B, device="cuda"), torch.tensor(1.0, device="cuda"),
+                                 torch.tensor(0.9, device="cuda"))
+            tok, lp = sampler.sample_next(logits, keys, temp, top_p)
+            fed = torch.ones(B, dtype=torch.long, device="cuda")
+            tok, lp = sampler.decode_step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, 24, keys + 1, temp,
+                                          top_p, False)                                            # [B], [B]
+            greedy, _ = sampler.decode_step(model, cache.k, cache.v, cache.lens + 1, tok[:, None], fed, 24, keys + 2, temp,
+                                            None, True)                                            # [B]
+            prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 12]]  # shared prefixes [5, 6] and [5, 6, 7, 8]
+            fresh = sampler.KVCache(model, B, 40)
+            shared = sampler.prefill_shared(model, fresh, prompts, sampler.shared_prefixes(prompts)[0], 6)
+            fresh.select([0] * B)
+            fresh.ensure(300)
+            for name, x in dict(logits=logits, token=tok, logp=lp, greedy=greedy, shared_logits=shared, cache_k=cache.k[0],
+                                grown_k=fresh.k[0], lens=fresh.lens).items():
+                put(name, x)
+        seen["sdpa"] = calls
+        with fake_cuda(), AllTrueMasks():  # the update's forward: one process (fp32 + autocast), FSDP2 (bf16 params)
+            F.scaled_dot_product_attention = efficient_sdpa
+            for name, model, dtype in (("update", actor, torch.float32), ("fsdp_update", fsdp_actor, torch.bfloat16)):
+                model = fake_cuda_model(model, dtype).train()
+                value_model = fake_cuda_model(critic, dtype).train() if name == "update" else None
+                tokens = torch.zeros(B, T, dtype=torch.long, device="cuda")                        # [B, T]
+                am, mask = torch.ones(B, T, dtype=torch.bool, device="cuda"), torch.ones(B, T, device="cuda")
+                with cuda_autocast():
+                    logp, ent = starpo.token_logprobs(model, tokens, am, with_entropy=True, mask=mask)
+                    values = value_model(tokens, am) if value_model is not None else None
+                logp, ent, adv = logp.float(), ent.float(), torch.zeros(B, T, device="cuda")
+                counts = dict(token_count=B * T, seq_count=B)  # Python numbers, as train.update passes them
+                pg, _ = starpo.policy_loss(logp, logp.detach(), adv, mask, **counts)
+                loss = pg - 0.001 * starpo.aggregate(ent, mask, **counts) + 0.001 * starpo.aggregate(
+                    starpo.kl_penalty(logp, logp.detach(), "low_var_kl"), mask, "seq-mean-token-mean", **counts)
+                got = {f"{name}_logp": logp, f"{name}_entropy": ent, f"{name}_loss": loss}  # [B, T], [B, T], []
+                if values is not None:                                                               # [B, T], []
+                    got.update(values=values, value_loss=starpo.value_loss(values.float(), values.detach(), adv, mask,
+                                                                           **counts)[0])
+                for k, x in got.items():
+                    put(k, x)
+    finally:
+        F.scaled_dot_product_attention, sampler.PREFILL_MASK_BYTES = real_sdpa, mask_bytes
+    assert {s[2] for k, s in seen.items() if k != "sdpa"} == {"cuda"}, seen
+    assert all(seen[k][1] == torch.float32 for k in seen if k.endswith(("logits", "logp", "entropy", "loss", "values")))
+    assert seen["cache_k"][1] == torch.bfloat16 and not any(gqa for _, gqa in seen["sdpa"]), seen
+    return seen
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+class HostSyncs(TorchFunctionMode):
+    """Counts (in .count) the torch calls that make the host wait for a CUDA device: reads of tensor data on the host
+    (bool(), int(), float(), .item(), .tolist()) and ops whose output size depends on the data (nonzero,
+    masked_select, unique, indexing with a bool mask, repeat_interleave by a tensor, and isin where torch's rule makes
+    it sort: test elements >= 10 x elements^0.145). Nothing waits on the CPU; on CUDA each is a sync. A compiled
+    call counts as one opaque call (run eager code under it)."""
+    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist"}
+    SIZED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        index = args[1] if name in ("__getitem__", "__setitem__") else ()
+        index = index if isinstance(index, tuple) else (index,)
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        isin = name == "isin" and all(torch.is_tensor(x) for x in args[:2])
+        self.count += (name in self.READS or name in self.SIZED
+                       or any(torch.is_tensor(i) and i.dtype == torch.bool for i in index)
+                       or (name == "repeat_interleave" and torch.is_tensor(repeats) and kwargs.get("output_size") is None)
+                       or (isin and args[1].numel() >= 10 * args[0].numel() ** 0.145))
+        return func(*args, **kwargs)
+
+
+def decode_syncs_per_token(model, device, every=8, budgets=(16, 48)):
+    """Host syncs per decode token of sampler.generate on 4 rows with no stop token (every row runs to its budget):
+    the difference between two budgets over their difference, so the prefill's and the turn end's syncs cancel.
+    CUDA: the sampler sampler_settings picks (static, compiled), warmed up first, counted by CUDA's sync debug mode;
+    the CPU: the eager sampler, counted by HostSyncs. The decode loop's contract is 1 / every."""
+    import warnings
+    cuda = torch.device(device).type == "cuda"
+    how = sampler.sampler_settings(device)._replace(check_every=every) if cuda else sampler.Sampler(check_every=every)
+    run = lambda n: sampler.generate(model, [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]], n, sampler=how)
+    counts = []
+    for n in budgets:
+        if cuda:
+            run(n)  # compiles and captures first
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run(n)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        else:
+            with HostSyncs() as syncs:
+                run(n)
+            counts.append(syncs.count)
+    return (counts[1] - counts[0]) / (budgets[1] - budgets[0])
+
+
+def splitmix64(k):
+    """splitmix64's finaliser of k in Python's unbounded ints, as the signed int64 sampler.mix64 stores."""
+    z = k % 2 ** 64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2 ** 64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2 ** 64
+    z ^= z >> 31
+    return z - 2 ** 64 if z >= 2 ** 63 else z
+
+
 # ------------------------------------------------------------------------------------------------ the GPU check
 def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     """python bench.py --gpu-check: what the CPU tests cannot see, one PASS / FAIL line each; returns the number
-    of FAILs. On CUDA: the compiled sampler with inductor and CUDA graphs, the SDPA kernel that runs, one train.py
-    step's peak memory against its plan, decode speed against the bandwidth floor (Qwen2.5-0.5B shape, `layers`
-    layers, random weights). On the CPU the same checks run on the tiny model with the emulations above in place
-    of CUDA graphs, and the memory and speed lines report without a GPU figure to hold them to."""
+    of FAILs. On CUDA: the compiled sampler with inductor and CUDA graphs, the SDPA kernel that runs, the fp32
+    logits GEMM, logits independent of SDPA's output layout, the fake-CUDA trace, the noise bits, host syncs per
+    decode token, one train.py step's peak memory against its plan, decode speed against the bandwidth floor
+    (Qwen2.5-0.5B shape, `layers` layers, random weights). On the CPU the same checks run on the tiny model with the
+    emulations above in place of CUDA graphs and layouts, and the memory and speed lines report without a GPU
+    figure to hold them to."""
     import json
     import os
     import re
@@ -599,7 +859,7 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
 
     # the sampler's logits of a bf16 model are the fp32 product of its hidden state (on CUDA one GEMM with an fp32
     # output, a path the CPU has no kernel for; on the CPU the upcast product)
-    low = qwen if cuda else copy.deepcopy(model).to(torch.bfloat16)
+    low = qwen if cuda else models.cast_parameters(copy.deepcopy(model), torch.bfloat16)
     seen = []
     hook = low.model.norm.register_forward_hook(lambda mod, inp, out: seen.append(out))
     ids = torch.tensor(prompts[:2], device=device)                                       # [2, 100]
@@ -613,7 +873,57 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     line("fp32 logits", logits.dtype == torch.float32 and err <= 1e-3 * max(1.0, top),
          f"{logits.dtype}, max error {err:.2e} against the fp32 product (logits up to {top:.1f})")
 
-    # 4: one train.py step, its peak memory against the plan it prints
+    # 5: the same logits whatever layout SDPA's output has: the kernel's own (CUDA's efficient and flash kernels return
+    # a transposed view; the CPU emulates it) against a contiguous copy of it
+    real, strides = torch.nn.functional.scaled_dot_product_attention, []
+
+    def kernel(*a, **k):  # SDPA with CUDA's output layout, recording its strides
+        o = real(*a, **k) if cuda else real(*a, **k).transpose(1, 2).contiguous().transpose(1, 2)
+        strides.append(o.stride())
+        return o
+
+    def logits_with(sdpa):  # [2, V] the sampler's logits of the two prompts, SDPA replaced by sdpa
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        try:
+            c = sampler.KVCache(low, 2, ids.shape[1] + 1)
+            with torch.no_grad():
+                return sampler.forward_cached(low, c.k, c.v, c.lens, ids, torch.full((2,), ids.shape[1], device=device),
+                                              ids.shape[1])
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = real
+    as_is, dense = logits_with(kernel), logits_with(lambda *a, **k: real(*a, **k).contiguous())
+    line("SDPA output layout", torch.equal(as_is, dense),
+         f"output strides {strides[0]} ({'the kernel' if cuda else 'CUDA emulated'}): logits identical to a contiguous "
+         f"output's: {torch.equal(as_is, dense)} (max difference {(as_is - dense).abs().max().item():.2e})")
+
+    # 6: the sampler and the update's forward on fake CUDA tensors, every supported layout (fake_cuda_trace)
+    archs = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+    try:
+        traced = [fake_cuda_trace(a) for a in archs]
+        line("fake-CUDA trace", True, f"{', '.join(archs)}: sampler and update forward in bf16 on fake CUDA tensors, SDPA "
+             f"as the efficient kernel (strides {traced[0]['sdpa'][0][0]}): every device, dtype and layout accepted")
+    except Exception as e:  # an AssertionError of efficient_sdpa or fake_cuda_trace, a device or dtype RuntimeError
+        line("fake-CUDA trace", False, f"{type(e).__name__}: {str(e)[:400]}")
+
+    # 7: the counter-based noise on the device: splitmix64 in int64 (wrapping multiply, masked shifts) gives the bits
+    # of Python's unbounded ints, eager and compiled (inductor: Triton on CUDA), and the draw of fixed logits is the CPU's
+    keys = torch.tensor([0, 1, -1, 2 ** 62 + 12345, -(2 ** 63), 987654321])
+    noisy = torch.randn(len(keys), 1000, generator=torch.Generator().manual_seed(0)) * 3          # [6, 1000]
+    want, draw = [splitmix64(k) for k in keys.tolist()], sampler.sample_next(noisy, keys, 0.7)[0].tolist()
+    ways = dict(eager=(sampler.mix64, sampler.sample_next))
+    if cuda:
+        ways["inductor"] = (torch.compile(sampler.mix64), torch.compile(sampler.sample_next))
+    bad = [w for w, (mix, sample) in ways.items() if mix(keys.to(device)).tolist() != want
+           or sample(noisy.to(device), keys.to(device), torch.tensor(0.7, device=device))[0].tolist() != draw]
+    line("noise bits", not bad, f"mix64 and sample_next on {device.type} ({', '.join(ways)}) against the Python reference "
+         f"and the CPU's draw: {'identical' if not bad else 'different: ' + ', '.join(bad)}")
+
+    # 8: host syncs in the decode loop: the "all rows done" check every check_every tokens, nothing else
+    per_token = decode_syncs_per_token(model, device)
+    line("host syncs / token", per_token <= 1 / 8, f"{per_token:.3f} per decode token at check_every 8 (want 1/8; "
+         f"{'CUDA sync debug mode' if cuda else 'HostSyncs: the calls that sync on CUDA'})")
+
+    # 9: one train.py step, its peak memory against the plan it prints
     out = tempfile.mkdtemp()
     model_arg = save_qwen25_shape(os.path.join(out, "model"), layers) if cuda else "tiny"
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--model", model_arg,
@@ -632,7 +942,7 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
              f"one step in {m['timing_s/step']:.1f} s; peak {'n/a on the CPU' if peak is None else f'{peak:.2f} GB'} "
              f"(torch.cuda.max_memory_allocated) against the plan's {plan.group(1)} GB")
 
-    # 5: decode speed against the bandwidth floor (CUDA: the paper's 128 rollout rows at context 1024)
+    # 10: decode speed against the bandwidth floor (CUDA: the paper's 128 rollout rows at context 1024)
     qwen = qwen25_05b_random(device, torch.bfloat16, layers) if cuda else model
     batch, context = (128, 1024) if cuda else (8, 64)
     per_step, floor = time_decode_floor(qwen, batch, context, 32, device, bandwidth)
@@ -668,6 +978,8 @@ if __name__ == "__main__":
     parser.add_argument("--env-seeds", type=int, default=1000, help="envs bench: seeds per preset")
     parser.add_argument("--against", metavar="DIR", help="step bench: time DIR's train.py (another checkout, e.g. `git "
                         "worktree add DIR <commit>`) against this one's, both with the defaults")
+    parser.add_argument("--step-flags", metavar="FLAGS", default="", help="step bench: train.py flags for both sides, "
+                        "after the bench's own (e.g. --step-flags=\"--algo grpo --group-size 4\")")
     parser.add_argument("--before", metavar="FLAGS", help="step bench: this checkout with FLAGS (one string, e.g. "
                         "--before=--no-stop-at-answer) against its defaults")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side, the sides interleaved (ratios: min over min)")
@@ -695,7 +1007,7 @@ if __name__ == "__main__":
     if args.repeats < 1:
         raise SystemExit("bench.py: --repeats must be >= 1")
     if args.only == "step":  # train.py processes: the model loads in each
-        time_step(args.model, args.repeats, args.threads, args.against, args.before)
+        time_step(args.model, args.repeats, args.threads, args.against, args.before, args.step_flags)
         raise SystemExit
     if args.only in ("all", "envs"):
         time_envs(args.env_seeds)

@@ -7,6 +7,7 @@ Evaluate a model or a trained checkpoint on fixed validation seeds, and plot a r
     python eval.py --plot runs/Bandit-ppo-xyz                            # -> runs/Bandit-ppo-xyz/curves.png
     python eval.py --plot runs/A runs/B --out ab.png                    # two runs overlaid, with a legend
     python eval.py --paired runs/A/eval-x runs/B/eval-y                 # B against A on the same episodes
+    python eval.py --model runs/A --unseen runs/A runs/sft-fl           # only boards its training never showed
 
 RAGEN's validation protocol (its config's seed.val = 123): seeds 123, 124, ... one group of one env per seed, sampling
 at temperature 0.5, the training budgets of turns and actions. With --samples k every seed becomes a group of
@@ -25,7 +26,7 @@ import time
 import torch
 
 import agent
-from models import load_model
+import models
 from rollout import rollout, step_env
 
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
@@ -97,12 +98,13 @@ def summarize(records, samples):
     for r in records:
         wins[r["seed"]] = wins.get(r["seed"], 0) + r["success"]
     valid, invalid, errors = sum(st("valid_actions")), sum(st("invalid_actions")), sum(st("format_errors"))
+    played = sum(st("num_turns"))
     row = dict(episodes=n, success=mean([r["success"] for r in records]))
     for k in sorted({samples} | {2 ** i for i in range(1, 12) if 2 ** i < samples} - {1}):  # pass@1 = success
         row[f"pass@{k}"] = mean([pass_at_k(samples, c, k) for c in wins.values()])
     row.update(score=mean([r["score"] for r in records]),
                valid_action_rate=valid / (valid + invalid) if valid + invalid else None,  # None: no action proposed
-               format_ok_rate=1.0 - errors / max(sum(st("num_turns")), 1),
+               format_ok_rate=1.0 - errors / played if played else None,  # None: no turn played
                turns=mean(st("num_turns")), response_tokens=mean(st("response_tokens")),
                think_tokens=mean(st("think_tokens")))
     if "solver_agreement" in records[0]:  # --agreement: over the turns where the solver has a move
@@ -146,13 +148,45 @@ def compare(dir_a, dir_b):
 
 
 def print_table(rows):
-    """A markdown table, one row per preset (pastes into the README as it is)."""
+    """A markdown table, one row per preset (pastes into the README as it is); n/a where a value is None (a rate over
+    no turn or no action, a ratio over a zero standard error)."""
     cols = list(next(iter(rows.values())))
     print("| preset | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in rows.items():
-        cells = ["-" if v is None else str(v) if isinstance(v, int) else f"{v:.3f}" for v in row.values()]
+        cells = ["n/a" if v is None else str(v) if isinstance(v, int) else f"{v:.3f}" for v in row.values()]
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def played_seeds(source):
+    """The seeds a training source played, {preset: [seeds]}, for --unseen. A train.py run directory (args.json):
+    step s played group g of its --env mix from seed + s*num_groups + g, each preset its groups in --env order, for
+    every step with training metrics in metrics.jsonl (the final validation's line has none). An sft.py run
+    directory (sft.json): seeds seed..seed+episodes-1 of each preset (its held-out demonstrations are not trained
+    on). A seed range 'A-B' (A to B inclusive) or one seed 'A': under the key None, seeds of the judged preset."""
+    if os.path.exists(os.path.join(source, "args.json")):
+        a = json.load(open(os.path.join(source, "args.json")))
+        path, steps = os.path.join(source, "metrics.jsonl"), []
+        for line in open(path) if os.path.exists(path) else []:
+            try:
+                m = json.loads(line)
+            except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+                continue
+            if any(k.startswith("train/") for k in m):
+                steps.append(m["step"])
+        played, first = {}, 0  # first: the preset's first group within a step
+        for key, n in a["env_mix"]:
+            played[key] = [a["seed"] + s * a["num_groups"] + first + g for s in sorted(set(steps)) for g in range(n)]
+            first += n
+        return played
+    if os.path.exists(os.path.join(source, "sft.json")):
+        a = json.load(open(os.path.join(source, "sft.json")))
+        return {key: list(range(a["seed"], a["seed"] + a["episodes"])) for key in a["presets"]}
+    lo, _, hi = source.partition("-")
+    if lo.isdigit() and (hi.isdigit() or not hi) and int(lo) <= int(hi or lo):
+        return {None: list(range(int(lo), int(hi or lo) + 1))}
+    raise ValueError(f"--unseen {source}: not a train.py run directory (args.json), an sft.py one (sft.json) or a "
+                     "seed range A-B")
 
 
 def resolve(args):
@@ -190,19 +224,27 @@ def resolve(args):
     return model_path, presets
 
 
-def evaluate(model, tok, args, presets):
+def evaluate(model, tok, args, presets, played=()):
     """Play --num-seeds seeds x --samples episodes of each preset; write <out>/<preset>.jsonl and summary.json, print
-    the table. Returns its rows."""
+    the table. Returns its rows. played: played_seeds() of each --unseen source; a seed whose first observation one of
+    them showed is dropped (a preset left with none is not played)."""
     rows = {}
     for key in presets:
         cls, preset, _ = agent.ENV_CLASSES[key]
         settings = agent.agent_settings(key, vars(args))
         groups_per_call = max(1, args.batch_size // args.samples)  # bounded KV-cache memory
         split = args.split if "split" in inspect.signature(cls.reset).parameters else None  # WebShop's goal splits
+        judge = [args.val_seed + g for g in range(args.num_seeds)]
+        if played:  # each source's seeds reset in its own preset (None: this one), boards compared as text
+            seen = set().union(*(agent.seen_boards(k or key, s) for p in played for k, s in p.items()))
+            judge = agent.unseen_seeds(key, judge, seen)
+            print(f"{key}: --unseen drops {args.num_seeds - len(judge)} of {args.num_seeds} seeds (boards the training "
+                  f"sources showed), {len(judge)} remain")
+            if not judge:
+                continue
         records, t0, envs = [], time.time(), []
-        for g0 in range(0, args.num_seeds, groups_per_call):
-            gs = range(g0, min(g0 + groups_per_call, args.num_seeds))
-            seeds = [args.val_seed + g for g in gs for _ in range(args.samples)]  # [B] k samples share a seed
+        for g0 in range(0, len(judge), groups_per_call):
+            seeds = [s for s in judge[g0:g0 + groups_per_call] for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
             out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
                           greedy=args.greedy, split=split, **settings)
@@ -217,7 +259,8 @@ def evaluate(model, tok, args, presets):
         rows[key] = summarize(records, args.samples)
         print(f"{key}: {len(records)} episodes in {elapsed:.1f}s "
               f"({sum(r['stats']['response_tokens'] for r in records) / elapsed:.0f} sampled tokens/s)")
-    print_table(rows)
+    if rows:
+        print_table(rows)
     json.dump(dict(args=vars(args), results=rows), open(os.path.join(args.out, "summary.json"), "w"), indent=1)
     return rows
 
@@ -253,10 +296,10 @@ def read_metrics(run_dir):
                 series.setdefault(k, ([], []))[0].append(m["step"])
                 series[k][1].append(v)
     for k in [k for k in series if k.endswith("/num_turns")]:  # per-turn rates: per-step ratio of means = of sums
-        prefix, (steps, turns) = k[:-len("num_turns")], series[k]
+        prefix, (steps, turns) = k[:-len("num_turns")], series[k]  # a step with no turn: NaN, a gap in the curve
         for name, of, f in (("format_ok_rate", "format_errors", lambda r: 1 - r), ("actions_per_turn", "num_actions", float)):
             if series.get(prefix + of, (None,))[0] == steps:
-                series[prefix + name] = (steps, [f(x / max(t, 1e-9)) for x, t in zip(series[prefix + of][1], turns)])
+                series[prefix + name] = (steps, [f(x / t) if t else math.nan for x, t in zip(series[prefix + of][1], turns)])
     if not any(fnmatch.fnmatch(k, p) for k in series for _, ps in PANELS for p in ps):
         raise ValueError(f"{path} holds none of the metrics to plot")
     return series
@@ -317,6 +360,9 @@ def build_parser():
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
     p.add_argument("--val-seed", type=int, default=None, help="first seed (RAGEN seed.val = 123)")
     p.add_argument("--samples", type=int, default=1, help="episodes per seed, for pass@k")
+    p.add_argument("--unseen", nargs="+", default=None, metavar="RUN_DIR_OR_SEEDS", help="drop the seeds whose first "
+                   "observation (the board) one of these showed: train.py or sft.py run directories (the seeds they "
+                   "trained on; name an SFT warm start too) or seed ranges A-B of the judged presets")
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     p.add_argument("--agreement", action="store_true", help="also the fraction of turns whose first action is the env "
                    "solver's move at that state (the episode replayed from its seed)")
@@ -325,6 +371,8 @@ def build_parser():
     p.add_argument("--split", default=None, choices=["train", "val", "test"], help="WebShop goal split (default: the env's)")
     p.add_argument("--batch-size", type=int, default=128, help="episodes per rollout call (memory only)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="the sampling model's dtype: auto = "
+                   "bf16 on CUDA and on a CPU with native bf16, else fp32 (train.py's rollout copy; logits are fp32)")
     p.add_argument("--out", default=None, help="output dir (default <run>/eval-<time> or runs/eval-<model>-<time>); with --plot: the PNG")
     return p
 
@@ -341,11 +389,13 @@ def main(argv=None):
         if args.model is None:
             raise ValueError("give --model (or --plot RUN_DIR)")
         model_path, presets = resolve(args)
+        played = [played_seeds(source) for source in args.unseen or []]
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no GPU")
         device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-        try:  # bf16 on GPU like train.py's rollout copy, fp32 on CPU
-            model, tok = load_model(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = models.compute_dtype(args.dtype, device)  # the rule train.py's rollout copy follows
+        try:
+            model, tok = models.load_model(model_path, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}") from e
     except (ValueError, ImportError) as e:
@@ -354,8 +404,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     mode = "greedy" if args.greedy else f"T={args.temperature}"
     print(f"{args.model} on {presets} | {args.num_seeds} seeds from {args.val_seed} x {args.samples} samples, {mode}, "
-          f"think={not args.no_think}, {args.max_new_tokens} tokens per turn | {device} -> {args.out}")
-    evaluate(model, tok, args, presets)
+          f"think={not args.no_think}, {args.max_new_tokens} tokens per turn | {device} {dtype} -> {args.out}")
+    evaluate(model, tok, args, presets, played)
 
 
 if __name__ == "__main__":

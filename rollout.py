@@ -9,10 +9,26 @@ import torch
 
 from sampler import KVCache, row_keys, sample_turn, sampler_settings, shared_prefixes, static_capacity
 
+# The turn format (RAGEN's), declared once: the tags of a turn's think and answer spans, the separator between a
+# turn's actions, and what is built from them: the tag forced after the generation prompt (FORCED), the tag that
+# closes the span the collapse diagnostics read (SPAN_CLOSE), the format line of every turn prompt (FORMATS), the
+# pattern that parses a turn (TURN_PATTERNS, RAGEN's _parse_response) and the strings stripped from its parts
+# (SPECIAL_STRINGS). Every function here and sft.py's demonstrations use these names; the env instructions write
+# their example answers out in their own text (docs/reference.md, "Change the turn format").
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+ACTION_SEP = "||"  # actions are split at it; retold turns and demonstrations join them with " || "
+FORCED = {True: THINK_OPEN, False: ANSWER_OPEN}        # think mode -> the tag a turn is forced to open with
+SPAN_CLOSE = {True: THINK_CLOSE, False: ANSWER_CLOSE}  # think mode -> the tag that closes reasoning_span's z
+FORMATS = {True: f"{THINK_OPEN} [Your thoughts] {THINK_CLOSE} {ANSWER_OPEN} [your answer] {ANSWER_CLOSE}",
+           False: f"{ANSWER_OPEN} [your answer] {ANSWER_CLOSE}"}
+TURN_PATTERNS = {
+    True: re.compile(rf"{re.escape(THINK_OPEN)}(.*?){re.escape(THINK_CLOSE)}\s*{re.escape(ANSWER_OPEN)}(.*?)"
+                     rf"{re.escape(ANSWER_CLOSE)}", re.DOTALL),
+    False: re.compile(rf"{re.escape(ANSWER_OPEN)}(.*?){re.escape(ANSWER_CLOSE)}", re.DOTALL)}
+SPECIAL_STRINGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, "<|im_start|>", "<|im_end|>")
+
 SYSTEM = "You're a helpful assistant. "  # RAGEN ctx_manager system prompt (trailing space included)
-FORMATS = {True: "<think> [Your thoughts] </think> <answer> [your answer] </answer>",
-           False: "<answer> [your answer] </answer>"}
-SPECIAL_STRINGS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
 
 
 def system_message(preset):
@@ -54,12 +70,8 @@ def chat_pieces(tok, system=SYSTEM):
     return head, gen, close, user_head
 
 
-TURN_PATTERNS = {True: re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL),  # RAGEN's
-                 False: re.compile(r"<answer>(.*?)</answer>", re.DOTALL)}                      # _parse_response
-
-
 def parse_response(text, think, max_actions):
-    """RAGEN ctx_manager._parse_response. text includes the forced '<think>'/'<answer>' prefix.
+    """RAGEN ctx_manager._parse_response. text includes the forced tag (FORCED[think]) in front.
     Returns (think_text, actions, matched)."""
     match = TURN_PATTERNS[think].search(text)
     if match is None:
@@ -67,42 +79,46 @@ def parse_response(text, think, max_actions):
     parts = list(match.groups())
     for s in SPECIAL_STRINGS:
         parts = [p.replace(s, "") for p in parts]
-    actions = [a.strip() for a in parts[-1].strip().split("||") if a.strip()]
+    actions = [a.strip() for a in parts[-1].strip().split(ACTION_SEP) if a.strip()]
     return (parts[0].strip() if think else ""), actions[:max_actions], True
 
 
 def answer_end(tok, forced, think):
     """sample_turn's stop_at for a turn that ends where RAGEN ends it: at the closing tag of its first match of
-    RAGEN's pattern (think mode: the '</answer>' that completes think-then-answer). Returns a function of a row's
+    RAGEN's pattern (think mode: the ANSWER_CLOSE that completes think-then-answer). Returns a function of a row's
     sampled tokens: the number of tokens up to and including the one that completes the match, or None while
     there is no match. The match of the kept tokens is the match of any longer text: the earliest-ending match
-    also starts leftmost (the pattern's (.*?) may swallow an earlier '<think>' / '<answer>'), so parsing the
+    also starts leftmost (the pattern's (.*?) may swallow an earlier opening tag), so parsing the
     cut turn gives the uncut turn's think and actions. A token that completes the tag and carries text past it
-    is kept whole: the kept tokens are always a prefix of the sampled ones."""
+    is kept whole: the kept tokens are always a prefix of the sampled ones.
+    stop_at(ids, start) tests only the cuts past `start` (the caller knows the first `start` tokens complete no
+    turn), and only after a token that can hold the pattern's last character '>': every other character of the
+    text up to that '>' is already in the shorter prefix (bytes of ASCII never change with the bytes after them),
+    so no match can end anywhere else. A turn of N tokens with k such tokens costs at most k decodes of <= N."""
     pattern = TURN_PATTERNS[think]
+    # tokens whose stored string holds '>': as itself (byte-level BPE) or inside '<0x3E>' (byte fallback); ~30 ms
+    closers = {i for i, s in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))) if ">" in s}
     found = lambda ids, n: pattern.search(forced + tok.decode(ids[:n], skip_special_tokens=True)) is not None
 
-    def stop_at(ids):
-        if not found(ids, len(ids)):
-            return None
-        return bisect.bisect_left(range(len(ids) + 1), True, key=lambda n: found(ids, n))  # the shortest prefix
+    def stop_at(ids, start=0):
+        return next((n for n in range(start + 1, len(ids) + 1) if ids[n - 1] in closers and found(ids, n)), None)
     return stop_at
 
 
 def reasoning_span(tok, tokens, loss_mask, turn_end, think):
     """RAGEN-2's (x, z) of one turn, for train.py's collapse diagnostics. tokens, loss_mask: one rollout row as
     lists; turn_end: the turn's last sampled position (rollout's turn_ends). x = every token before the turn's
-    first sampled token: the conversation so far, ending with the forced '<think>' ('<answer>' in no-think mode).
-    z = the sampled tokens of the think (no-think: answer) span, up to the first token that reaches the closing
-    tag, or up to the end of the turn's text when the tag never closes (a trailing stop token is not text).
-    Returns (x, z) as token lists; z may be empty."""
+    first sampled token: the conversation so far, ending with the forced tag (FORCED[think]).
+    z = the sampled tokens of the think (no-think: answer) span, up to the first token that reaches its closing
+    tag (SPAN_CLOSE[think]), or up to the end of the turn's text when the tag never closes (a trailing stop token
+    is not text). Returns (x, z) as token lists; z may be empty."""
     start = turn_end
     while start > 0 and loss_mask[start - 1]:  # the turn's sampled tokens are one contiguous span
         start -= 1
     resp = tokens[start:turn_end + 1]
     length = lambda n: len(tok.decode(resp[:n], skip_special_tokens=True))  # characters of the first n tokens
     text = tok.decode(resp, skip_special_tokens=True)
-    cut = text.find("</think>" if think else "</answer>")
+    cut = text.find(SPAN_CLOSE[think])
     n = bisect.bisect_left(range(len(resp) + 1), len(text) if cut < 0 else cut, key=length)
     return tokens[:start], resp[:n]
 
@@ -110,10 +126,13 @@ def reasoning_span(tok, tokens, loss_mask, turn_end, think):
 def step_env(env, actions, budget):
     """RAGEN es_manager.step: execute the valid actions in order, at most `budget` of them, stopping when
     the episode ends. Invalid ones (env says action_is_valid=False) are no-ops that cost no budget.
-    Returns (reward, done, info of the last step, counts, infos of the executed steps)."""
+    Returns (reward, done, info of the last step, counts, infos of the executed steps).
+    The reward is RAGEN-2's acc_reward: the int 0 plus each executed step's reward as the env returns it, so the
+    "Reward:" lines print as RAGEN-2's do (0 for a FrozenLake turn of int rewards or a turn that executes nothing,
+    -0.2 for two Sokoban steps)."""
     names = env.actions()
     lookup = None if names is None else {a.strip().lower() for a in names}
-    reward, done, info, infos = 0.0, False, {}, []
+    reward, done, info, infos = 0, False, {}, []
     c = dict(executed=0, valid=0, invalid=0, effective=0)
     for a in actions:
         if done or c["executed"] >= budget:  # not executed; RAGEN still checks it against the lookup
@@ -127,7 +146,7 @@ def step_env(env, actions, budget):
         c["valid"] += 1
         c["executed"] += 1
         c["effective"] += bool(info["action_is_effective"])
-        reward += float(r)
+        reward += r
         infos.append(info)
     return reward, done, info, c, infos
 
@@ -147,9 +166,10 @@ def retell(ep, lo, turn, think, format_penalty):
             "state/action/reward details. Recent turns:\n---\n")
     for t in range(lo, turn):
         r = ep["responses"][t - 1]
-        said = (f"<think>{r['think']}</think>" if think else "") + f"<answer>{' || '.join(r['actions'])}</answer>"
+        joined = f" {ACTION_SEP} ".join(r["actions"])
+        said = (f"{THINK_OPEN}{r['think']}{THINK_CLOSE}" if think else "") + f"{ANSWER_OPEN}{joined}{ANSWER_CLOSE}"
         text += (f"Turn {t} State:\n{ep['states'][t - 1]}\nTurn {t} Action: {said if r['matched'] else r['raw']}\n"
-                 f"Turn {t} Reward: {r['reward'] + (format_penalty if r['penalized'] else 0.0)}\n---\n")
+                 f"Turn {t} Reward: {r['reward'] + (format_penalty if r['penalized'] else 0)}\n---\n")
     return text
 
 
@@ -339,7 +359,7 @@ def rollout_output(eps, samples, tok, group_size):
         stats[k] = torch.tensor([sum(e["extras"][k]) / len(e["extras"][k]) if e["extras"].get(k) else 0.0 for e in eps])
     return dict(tokens=tokens, attention_mask=attention_mask, loss_mask=loss_mask, old_logp=old_logp,
                 turn_ends=turn_ends, turn_rewards=[e["turn_rewards"] for e in eps], penalty=penalty,
-                scores=torch.tensor([sum(e["turn_rewards"]) for e in eps]) + penalty,
+                scores=torch.tensor([sum(e["turn_rewards"]) for e in eps], dtype=torch.float) + penalty,
                 success=torch.tensor([e["success"] for e in eps]), group=torch.arange(B) // group_size,
                 episode=torch.tensor([r[0] for r in rows], dtype=torch.long),
                 text=[tok.decode(e["ids"]) for e in eps], stats=stats, responses=[e["responses"] for e in eps])
@@ -359,14 +379,26 @@ def check_rollout_args(seeds, B, group_size, temperature, max_new_tokens, window
 
 def turn_layout(model, tok, preset, think):
     """How a turn is laid out in tokens: chat = (tok, head, user_head, generation prompt + the forced tag) for
-    opening_message, the forced tag ('<think>', or '<answer>' without thinking: RAGEN appends it after the
-    generation prompt), the end-of-turn tokens (e.g. [<|im_end|>, "\\n"]) and the token ids that stop sampling."""
+    opening_message, the forced tag (FORCED[think]: RAGEN appends it after the generation prompt), the end-of-turn
+    tokens (e.g. [<|im_end|>, "\\n"]) and the token ids that stop sampling."""
     head, gen, close, user_head = chat_pieces(tok, system_message(preset))
-    forced = "<think>" if think else "<answer>"
+    forced = FORCED[think]
     close_ids = tok.encode(close, add_special_tokens=False)
     gc_eos = model.generation_config.eos_token_id
     stop_ids = ({close_ids[0], tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos])) - {None}
     return (tok, head, user_head, gen + forced), forced, close_ids, stop_ids
+
+
+def context_needed(tok, env, seed, preset, think, max_new_tokens):
+    """The shortest max_context in which rollout() plays the first turn of the episode env resets to from seed (as a
+    group's first member): the tokens of its first prompt, one answer's max_new_tokens and the end-of-turn tokens.
+    A shorter one ends the episode before its first turn (open_turn: truncated)."""
+    env.reset(seed, **(dict(member=0) if preset.get("seed_per_member") else {}))
+    head, gen, close, user_head = chat_pieces(tok, system_message(preset))
+    ep = new_episode(preset["max_actions_per_traj"])
+    ep["users"].append(turn_prompt(preset, 1, env.render(), ep["budget"], think))
+    prompt = opening_message(ep, 1, 1, 1, (tok, head, user_head, gen + FORCED[think]), preset, think, 0.0)
+    return len(prompt) + max_new_tokens + len(tok.encode(close, add_special_tokens=False))
 
 
 def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
@@ -382,7 +414,7 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
     window, window_mode: RAGEN-2's context windows (see open_turn); the windowed modes give one row per turn, and
     `episode` [R] says which episode each row belongs to.
     share_prefixes: rows prefilled from slot 0 together compute each prompt prefix they share once and copy its
-    K/V (rollout.shared_prefixes); stats' prefill_saved counts the prompt tokens each row got by copy.
+    K/V (sampler.shared_prefixes); stats' prefill_saved counts the prompt tokens each row got by copy.
     progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar).
     sampler: a Sampler (default: sampler_settings of the model's device).
     respond(b, env), if given, writes episode b's answer (the text after the forced tag) in place of sampling: the

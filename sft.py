@@ -18,8 +18,8 @@ Policies:
 Each turn says at most the preset's max_actions_per_turn actions, within the episode's action budget. Think
 mode answers with the fixed thought THOUGHT below. The output directory holds the model and its tokenizer.
 
-Held-out demonstrations (--heldout per preset, env seeds from --heldout-seed, disjoint from the training seeds and
-from validation's) are scored without grad at step 0, every --eval-every steps and at the end; each time a JSON line
+Held-out demonstrations (--heldout per preset, on boards no training demonstration shows: the seeds from
+--heldout-seed on, less validation's and those whose first observation a training demonstration shows) are scored without grad at step 0, every --eval-every steps and at the end; each time a JSON line
 goes to <out>/sft_metrics.jsonl: step, train_loss (the mean step loss since the last line), heldout_loss, demos_seen,
 seconds. --save-every K writes <out>/step<N>/ (an HF directory eval.py loads) and then <out>/ckpt.pt (the trainable
 weights, the optimizer, the step, the data order), both renamed into place whole; the same command with --resume
@@ -30,7 +30,6 @@ continues from ckpt.pt (from step 0 if there is none yet) and ends as the uninte
 import argparse
 import contextlib
 import copy
-import datetime
 import json
 import os
 import random
@@ -43,7 +42,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import agent
+import checkpoint
 import models
+import ranks
 import rollout as rollout_py
 import sampler
 import starpo
@@ -54,7 +55,9 @@ POLICIES = {"random": "valid actions drawn uniformly (format only)",
 THOUGHT = "Let me choose my next moves."  # think mode: the same short thought every turn
 CHUNK = 16  # episodes per rollout() call: rollout allocates a (never used) KV cache row per episode
 VALIDATION = range(123, 123 + 256)  # eval.py's default seeds (RAGEN's seed.val, 256 of them): no demonstration uses them
-RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_every", "micro_batch_size"}  # flags --resume may change
+HELDOUT_SEARCH = 100  # held-out demonstrations: at most this many seeds looked at per one wanted
+RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_every", "micro_batch_size", "dtype",
+             "compute_dtype"}  # flags --resume may change
 
 
 # ----------------------------------------------------------------------------- demonstration policies
@@ -70,8 +73,10 @@ def demo_responder(policy, epsilon, seeds, settings, seed, module):
         use_solver = policy == "solver" or (policy == "mix" and rng.random() >= epsilon)
         actions = (module.solver_actions(env, k) if use_solver else None) or module.random_actions(env, k, rng)
         left[b] -= len(actions)
-        answer = " || ".join(actions)
-        return f" {THOUGHT} </think> <answer> {answer} </answer>" if think else f" {answer} </answer>"
+        answer = f" {rollout_py.ACTION_SEP} ".join(actions)
+        if not think:  # the text after the forced ANSWER_OPEN
+            return f" {answer} {rollout_py.ANSWER_CLOSE}"
+        return f" {THOUGHT} {rollout_py.THINK_CLOSE} {rollout_py.ANSWER_OPEN} {answer} {rollout_py.ANSWER_CLOSE}"
     return respond
 
 
@@ -93,6 +98,17 @@ def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, see
     return rows, wins
 
 
+def heldout_seeds(preset_key, first, n, train_seeds):
+    """--heldout's seeds for one preset: the first n seeds from `first` on, validation's aside, whose board (first
+    observation) no training demonstration (seeds train_seeds) shows, searched over at most HELDOUT_SEARCH * n seeds:
+    fewer where the env has few boards (Cue has two). Returns (seeds, how many seeds were skipped as seen)."""
+    seen = agent.seen_boards(preset_key, train_seeds)
+    tried = [s for s in range(first, first + HELDOUT_SEARCH * n) if s not in VALIDATION]
+    seeds = agent.unseen_seeds(preset_key, tried, seen, n)
+    stop = tried.index(seeds[-1]) + 1 if seeds and len(seeds) == n else len(tried)  # seeds looked at
+    return seeds, stop - len(seeds)
+
+
 # ----------------------------------------------------------------------------- the loss
 def sft_loss(model, tokens, attention_mask, loss_mask, share_prefix=False):
     """Summed cross-entropy of the loss-masked tokens given everything before them (the caller divides by the
@@ -111,17 +127,18 @@ def sft_loss(model, tokens, attention_mask, loss_mask, share_prefix=False):
     return F.cross_entropy(logits.float(), tokens[:, 1:][loss_mask[:, 1:]], reduction="sum")
 
 
-def autocast(device):
-    """bf16 autocast on CUDA, fp32 on the CPU."""
-    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+def autocast(device, dtype):
+    """The forwards' autocast: bf16 when the compute dtype (models.compute_dtype) is bf16, on CUDA or the CPU; the
+    weights and AdamW stay fp32."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bf16")
 
 
-def heldout_loss(model, pad, rows, per_rank, rank, world, ddp):
+def heldout_loss(model, pad, rows, per_rank, rank, world, ddp, dtype):
     """The token mean of the loss on the held-out demonstrations `rows`, without grad: each rank runs its share of
     every batch of per_rank * world rows on the unwrapped model (no DDP collective inside), the sums are reduced."""
     device = next(model.parameters()).device
     total = torch.zeros(2, device=device)  # [summed loss, loss tokens]
-    with torch.no_grad(), autocast(device):
+    with torch.no_grad(), autocast(device, dtype):
         for i in range(rank * per_rank, len(rows), world * per_rank):
             tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(rows[i:i + per_rank], pad)[:3])  # [B, T]
             total += torch.stack([sft_loss(model, tokens, attn, mask, share_prefix=True).float(),
@@ -158,9 +175,9 @@ def read_checkpoint(path, args):
     """ckpt.pt, refused (ValueError) if it was written with other flags than `args`, those that --resume may change
     (RESUMABLE) aside."""
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    for k, v in ckpt["args"].items():
-        if k not in RESUMABLE and getattr(args, k, None) != v:
-            raise ValueError(f"--resume: {path} was written with --{k.replace('_', '-')} {v}, not {getattr(args, k, None)}")
+    changed = checkpoint.changed_flags(ckpt["args"], args, RESUMABLE)
+    if changed:
+        raise ValueError(f"--resume: {path} was written with other flags: {', '.join(changed)}")
     return ckpt
 
 
@@ -205,7 +222,7 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
     t0, micro = time.perf_counter() - seconds, args.micro_batch_size or args.batch_size // world  # rows per forward
 
     def log(step):  # the held-out loss and a metrics line (train loss: the mean over the steps since the last line)
-        h = heldout_loss(model, pad, heldout, micro, rank, world, ddp) if heldout else None
+        h = heldout_loss(model, pad, heldout, micro, rank, world, ddp, args.compute_dtype) if heldout else None
         lines.append(dict(step=step, train_loss=sum(recent) / len(recent) if recent else None, heldout_loss=h,
                           demos_seen=step * args.batch_size, seconds=round(time.perf_counter() - t0, 1)))
         recent.clear()
@@ -229,7 +246,7 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
         for i in range(0, len(mine), micro):  # gradients accumulate over the micro-batches; DDP syncs on the last
             tokens, attn, mask = (x.to(device) for x in rollout_py.pack_rows(mine[i:i + micro], pad)[:3])  # [b, T] each
             with net.no_sync() if ddp and i + micro < len(mine) else contextlib.nullcontext():
-                with autocast(device):  # DDP syncs gradients through its wrapper's one call: the plain forward
+                with autocast(device, args.compute_dtype):  # DDP syncs gradients through its wrapper's one call: the plain forward
                     part = sft_loss(net, tokens, attn, mask, share_prefix=not ddp) / n.clamp(min=1)
                 (part * world).backward()  # DDP averages the ranks' gradients; the sum over ranks is the global mean
             loss = loss + part.detach()
@@ -262,7 +279,8 @@ def build_parser():
     p.add_argument("--epsilon", type=float, default=0.5, help="mix: probability that a turn is played at random")
     p.add_argument("--episodes", type=int, default=128, help="demonstration episodes per preset")
     p.add_argument("--seed", type=int, default=10000, help="first env seed of the demonstrations (validation uses 123...)")
-    p.add_argument("--heldout", type=int, default=64, help="held-out demonstrations per preset, their loss logged (0 = none)")
+    p.add_argument("--heldout", type=int, default=64, help="held-out demonstrations per preset, on boards the training "
+                   "demonstrations do not show, their loss logged (0 = none)")
     p.add_argument("--heldout-seed", type=int, default=5000, help="their first env seed (disjoint from the training "
                    "and validation seeds)")
     agent.add_agent_flags(p.add_argument_group("agent loop (as train.py's: the demonstrations are laid out as its "
@@ -287,6 +305,8 @@ def build_parser():
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt (from step 0 if there is none), "
                    "with the same flags")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype (bf16 autocast, "
+                   "fp32 weights and AdamW): auto = bf16 on CUDA and on a CPU with native bf16, else fp32; as train.py")
     p.add_argument("--out", default=None, help="output HF directory (default runs/sft-<preset>-<policy>-<time>)")
     return p
 
@@ -360,24 +380,23 @@ def main(argv=None):
         model, tok = models.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
     except (ValueError, FileNotFoundError, OSError) as e:
         die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if ddp:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    device = ranks.init_compute(args.device, ddp, 30)  # a collective waits at most 30 minutes
+    args.compute_dtype = models.compute_dtype(args.dtype, device)
     out_dir = args.out or os.path.join("runs", f"sft-{presets[0]}-{args.policy}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt = None
     if args.resume and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         try:
             ckpt = read_checkpoint(os.path.join(out_dir, "ckpt.pt"), args)
+            if args.dtype == "auto":  # a resumed run keeps its compute dtype unless --dtype names one
+                args.compute_dtype = ckpt["args"].get("compute_dtype", "bf16" if device.type == "cuda" else "fp32")
         except ValueError as e:
             die(e)
     elif args.resume:
         say(f"no {out_dir}/ckpt.pt yet: starting at step 0")
+    say(f"compute dtype {args.compute_dtype} (--dtype {args.dtype}{'; this CPU has native bf16' if device.type == 'cpu' and models.native_bf16() else ''})")
 
     # demonstrations: every rank renders all of them (no model call, deterministic) and trains on its share
-    rows, heldout, t0 = [], [], time.perf_counter()
+    rows, heldout, skipped, t0 = [], [], {}, time.perf_counter()  # skipped: {preset: held-out seeds skipped as seen}
     for key in presets:
         settings = agent.agent_settings(key, dict(vars(args), sample_seed=0))
         seeds = list(range(args.seed, args.seed + args.episodes))
@@ -386,11 +405,16 @@ def main(argv=None):
         say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings['max_turns']} "
             f"turns x {settings['max_actions_per_turn']} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "
             f"{sum(sum(flags) for _, _, flags, _ in got) / len(got):.0f} answer tokens / episode")
-        if args.heldout:
-            seeds = list(range(args.heldout_seed, args.heldout_seed + args.heldout))
+        if args.heldout:  # boards the training demonstrations do not show
+            seeds, skipped[key] = heldout_seeds(key, args.heldout_seed, args.heldout, seeds)
+            if not seeds:
+                say(f"{key}: no held-out demonstrations: all {skipped[key]} seeds looked at from {args.heldout_seed} "
+                    "on show boards of the training demonstrations")
+                continue
             got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
             heldout += got
-            say(f"{key}: {len(got)} held-out demonstrations (seeds {seeds[0]}..{seeds[-1]}), success {wins}/{len(got)}")
+            say(f"{key}: {len(got)} held-out demonstrations (seeds {seeds[0]}..{seeds[-1]}, {skipped[key]} skipped as "
+                f"boards of the training demonstrations), success {wins}/{len(got)}")
     say(f"rendered {len(rows) + len(heldout)} episodes in {time.perf_counter() - t0:.1f} s")
     try:
         model = trainable(model, args)
@@ -405,7 +429,8 @@ def main(argv=None):
         final.float().eval().save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "sft.json"), "w") as f:  # not args.json: eval.py reads that as a train.py run
-            json.dump(dict(vars(args), presets=presets, steps=steps, world=world, final_loss=loss), f, indent=1)
+            json.dump(dict(vars(args), presets=presets, steps=steps, world=world, final_loss=loss,
+                           heldout_skipped=skipped), f, indent=1)
         say(f"saved {out_dir}  (eval.py --model {out_dir} --env {' '.join(presets)})")
     if ddp:  # the ranks leave together: a gloo rank that tears down while rank 0 is still writing can hang at exit
         dist.barrier()

@@ -10,8 +10,8 @@ rollout -> filter groups -> old / ref log-probs and values -> advantages -> PPO 
 -> validation -> checkpoint. Defaults are the paper's StarPO-S settings (RAGEN's configs).
 """
 import argparse
-import datetime
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -28,6 +28,7 @@ import checkpoint
 import collapse
 import fsdp
 import memplan
+import models
 import ranks
 import rollout as rollout_py
 import sampler as sampler_py
@@ -36,6 +37,10 @@ import starpo
 DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
         "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
         "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
+# --algo, the advantage estimators (advantages() dispatches on the name). Those of CRITIC_ALGOS learn a value function:
+# resolve_args sets args.critic, and the critic, its optimiser, value pass, update, checkpoint and memory follow it
+ALGOS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+CRITIC_ALGOS = ("ppo",)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -65,7 +70,9 @@ def build_parser():
     common.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
     common.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype of forwards and rollouts "
-                   "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce), fp32 on CPU")
+                   "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce) and on a CPU with "
+                   "native bf16 (AVX512-BF16 or AMX; a bf16 rollout copy, bf16 autocast), fp32 on other CPUs; fp32 is "
+                   "fp32 on a GPU too (no TF32)")
     g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
                    "= fixed-shape KV pool, compiled = static + torch.compile'd decode step (CUDA graphs on GPU); auto = compiled "
                    "on CUDA, eager on CPU. All of them sample the same tokens")
@@ -109,7 +116,7 @@ def add_algorithm_flags(common, batch, g, ragen2):
     common.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
     batch.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
     batch.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
-    common.add_argument("--algo", default="ppo", choices=["ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+    common.add_argument("--algo", default="ppo", choices=ALGOS,
                         help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
                         "group mean, rloo = minus the mean of the others, reinforce_pp(_baseline) = REINFORCE++ (veRL)")
     g.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
@@ -157,7 +164,10 @@ def add_run_flags(common, groups, ragen2):
     common.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
-    g.add_argument("--wandb", action="store_true", help="also log to wandb (optional import)")
+    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log each metrics.jsonl line, and the args as config, "
+                   "to this wandb project (pip install -r requirements-wandb.txt); the run is named after --out, its files go "
+                   "to <out>/wandb, a --resume continues it; offline unless WANDB_MODE says otherwise: upload later with "
+                   "wandb sync <out>/wandb/offline-run-*")
     g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective (rank 0 "
                    "writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
     ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
@@ -201,8 +211,9 @@ def resolve_args(args):
         mix = dict(args.env_mix)
         args.val_env = list(mix) + [test for train, test in (("Bandit", "BanditTest"), ("Bandit2", "Bandit2Test")) if train in mix]
     args.val_env = [agent.preset_name(v) for v in args.val_env]
-    if args.critic_warmup < 0 or (args.critic_warmup and args.algo != "ppo"):
-        raise ValueError("--critic-warmup needs a critic (--algo ppo) and a step count >= 0")
+    args.critic = args.algo in CRITIC_ALGOS  # a value function to learn: the critic model and its update
+    if args.critic_warmup < 0 or (args.critic_warmup and not args.critic):
+        raise ValueError(f"--critic-warmup needs a critic (--algo {' or '.join(CRITIC_ALGOS)}) and a step count >= 0")
     if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
         raise ValueError("--bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
     if args.max_context_window == 0 or args.max_context_window < -1:
@@ -262,20 +273,6 @@ def print0(*a):
         print(*a, flush=True)
 
 
-def init_compute(args, ddp):
-    """This rank's device (CUDA when asked or available, TF32 matmuls on) and, under torchrun, the process group
-    (not for --plan, which only prints)."""
-    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
-    if ddp and args.plan is None:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=args.pg_timeout_min))
-    return device
-
-
 @dataclass
 class State:
     """What the step's parts work with besides the flags: where this rank computes, the models and their optimisers.
@@ -302,8 +299,8 @@ class State:
 
 def build_models(args, device, ddp, rank, world):
     """The State: the models (fsdp.build_models), their AdamW optimisers, the sampler and the autocast."""
-    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")  # --dtype bf16 runs the GPU settings on a CPU too
-    m = fsdp.build_models(args.model, device, ddp, rank, bf16, ppo=args.algo == "ppo", with_ref=args.kl_coef > 0,
+    bf16 = args.compute_dtype == "bf16"  # the GPU's settings, on a CPU too: a bf16 rollout copy, bf16 autocast
+    m = fsdp.build_models(args.model, device, ddp, rank, bf16, with_critic=args.critic, with_ref=args.kl_coef > 0,
                           lora=(args.lora_rank, args.lora_alpha, args.lora_target), grad_checkpointing=args.grad_checkpointing)
     actor, critic = m["actor"], m["critic"]
     return State(
@@ -317,6 +314,21 @@ def build_models(args, device, ddp, rank, world):
         # the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept
         # group's first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
         share_prefix=not (args.no_prefix_sharing or args.grad_checkpointing or ddp))
+
+
+def check_context(args, tok):
+    """Refuse (ValueError) a --max-context that holds no turn: for every preset of --env and --val-env, the first
+    episode it plays (its first training group's seed, or --val-seed) needs its first prompt in tok's tokens, one
+    answer's --max-new-tokens and the end-of-turn tokens (rollout.context_needed); in less, no turn is played."""
+    starts = [args.seed + sum(n for _, n in args.env_mix[:i]) for i in range(len(args.env_mix))]  # step 0's groups
+    firsts = [(key, seed) for (key, _), seed in zip(args.env_mix, starts)] + [(key, args.val_seed) for key in args.val_env]
+    for key, seed in firsts:
+        s = agent.agent_settings(key, dict(vars(args), sample_seed=args.seed))
+        env = agent.ENV_CLASSES[key][0](**s["preset"]["kwargs"])
+        need = rollout_py.context_needed(tok, env, seed, s["preset"], s["think"], s["max_new_tokens"])
+        if s["max_context"] < need:
+            raise ValueError(f"--max-context {s['max_context']} holds no turn of {key}: its first prompt (seed {seed}) and "
+                             f"one answer of --max-new-tokens {s['max_new_tokens']} need {need} tokens")
 
 
 # ----------------------------------------------------------------------------- rollouts, passes, logging
@@ -600,7 +612,7 @@ def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_ol
 
 def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
-    step (PPO), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient skips its
+    step (with a critic), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient skips its
     step (counted in monitor). Returns the metrics averaged over mini-batches and ranks."""
     acc, actor_on = {}, step >= args.critic_warmup
     st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
@@ -733,7 +745,8 @@ def train_loop(st, args, start_step, monitor):
         bar.set_postfix_str(line)
         if stop or step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
             say("checkpoint")
-            checkpoint.save_checkpoint(args, step, monitor, st)
+            checkpoint.save_checkpoint(args, step, monitor, st.actor, st.opt, st.critic, st.critic_opt, st.rollout_model,
+                                       st.tok, st.lora_config, st.rank)
         if stop:
             print0(f"step {step}: stopping early: {stop[1]} (checkpoint in {args.out})")
             break
@@ -759,6 +772,19 @@ def die(msg):  # every rank sees the same args, so every rank stops with the sam
     sys.exit(2)
 
 
+def start_wandb(args, resumed):
+    """Rank 0, --wandb: the wandb run, its files in <out>/wandb, offline unless WANDB_MODE says otherwise. Its id is
+    kept in <out>/wandb_run_id, so a --resume continues the same run."""
+    import wandb
+    id_path = os.path.join(args.out, "wandb_run_id")
+    run_id = open(id_path).read() if resumed and os.path.exists(id_path) else None
+    run = wandb.init(project=args.wandb, name=os.path.basename(os.path.normpath(args.out)), config=vars(args), dir=args.out,
+                     id=run_id, resume="allow", mode=os.environ.get("WANDB_MODE", "offline"))
+    with open(id_path, "w") as f:
+        f.write(run.id)
+    return run
+
+
 def main(argv=None):
     """train.py's command line (default sys.argv[1:]): flags, models, the loop, the summary. Bad input stops with one
     line and exit code 2."""
@@ -767,7 +793,7 @@ def main(argv=None):
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     try:
         args, world, keeps = parse_args(argv, world)
-        device = init_compute(args, ddp)
+        device = ranks.init_compute(args.device, ddp and args.plan is None, args.pg_timeout_min)  # --plan only prints
         # the memory plan (memplan.py): one line at start, the parts with --plan; on CUDA (or with --gpu-memory-gb) a
         # plan that does not fit stops the run here, before any weight is loaded
         text, refusal = memplan.check_launch(args, world, device)
@@ -780,6 +806,15 @@ def main(argv=None):
         # run directory (checkpoint.py): a resumed run takes the same flags, except those that change neither what is
         # trained nor the sampled tokens (checkpoint.RESUME_MAY_CHANGE)
         ckpt = checkpoint.open_run(args)
+        # the compute dtype (models.compute_dtype; args.json records it); a resumed run keeps its own unless --dtype names one
+        args.compute_dtype = models.compute_dtype(args.dtype, device)
+        if ckpt is not None and args.dtype == "auto":
+            args.compute_dtype = ckpt["args"].get("compute_dtype", "bf16" if device.type == "cuda" else "fp32")
+        torch.backends.cuda.matmul.allow_tf32 = False  # --dtype fp32 on a GPU is fp32, not TF32
+        print0(f"compute dtype {args.compute_dtype} (--dtype {args.dtype}"
+               f"{'; this CPU has native bf16' if device.type == 'cpu' and models.native_bf16() else ''})")
+        if args.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb needs wandb: pip install -r requirements-wandb.txt")
         torch.manual_seed(args.seed)
         if args.demo:
             print0(f"--demo = python train.py {DEMO} {' '.join(a for a in argv if a != '--demo')}".rstrip())
@@ -788,9 +823,10 @@ def main(argv=None):
                f"{args.group_size} = {args.num_groups * args.group_size} trajectories, {keeps}")
         print0(f"loading --model {args.model} ...")
         st = build_models(args, device, ddp, rank, world)
+        check_context(args, st.tok)  # the first prompts are counted in the model's tokens: after the tokenizer loads
     except ValueError as e:
         die(e)
-    start_step, monitor = checkpoint.load_checkpoint(args, ckpt, st)
+    start_step, monitor = checkpoint.load_checkpoint(args, ckpt, st.actor, st.opt, st.critic, st.critic_opt)
     resumed, ckpt = ckpt is not None, None  # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
     if resumed:
         print0(f"resumed {args.out} at step {start_step}")
@@ -798,11 +834,7 @@ def main(argv=None):
     if rank == 0:
         checkpoint.start_run_dir(args, world, start_step, resumed)
         if args.wandb:
-            try:
-                import wandb
-            except ImportError:
-                die("--wandb needs `pip install wandb`")
-            st.wandb_run = wandb.init(project="starpo", name=os.path.basename(args.out), config=vars(args))
+            st.wandb_run = start_wandb(args, resumed)
     try:
         train_loop(st, args, start_step, monitor)
     except OSError as e:  # a file that could not be written (a full disk): the last checkpoint stays whole
