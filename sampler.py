@@ -177,7 +177,23 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
         return torch.mm(h, w.t(), out_dtype=torch.float32)                      # [B, V]
     # (W @ h^T)^T, the same dot products (summed in another order for some batch sizes: last-bit differences),
     # which MKL runs faster than h @ W^T for a decode batch of a few dozen rows
-    return torch.mm(w.float(), h.float().t()).t().contiguous()                  # [B, V]
+    return torch.mm(fp32_weight(w), h.float().t()).t().contiguous()            # [B, V]
+
+
+_FP32 = {}  # the fp32 copy of a bf16 lm_head weight on the CPU: {"src": weight, "version": its _version, "w": copy}
+
+
+def fp32_weight(w):
+    """w in fp32. The CPU has no GEMM that writes fp32 from bf16 inputs, so a bf16 model's lm_head runs in fp32 on a
+    copy of its [V, d] weight, made once and kept while w is unchanged: train.py refreshes the rollout copy in place
+    after every update (Parameter.copy_), which moves w._version on. Converting it every decode step instead took
+    4x the product's time (SmolLM2, 16 rows). The copy holds w, so w's memory cannot pass to another tensor."""
+    if w.dtype == torch.float32:
+        return w
+    if _FP32.get("src") is not w or _FP32["version"] != w._version:
+        _FP32.clear()  # one model samples at a time: never two copies
+        _FP32.update(src=w, version=w._version, w=w.float())
+    return _FP32["w"]
 
 
 _M = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # splitmix64 constants, as int64

@@ -2985,6 +2985,14 @@ def test_sampler_logits_are_fp32_for_a_bf16_model():
     assert ours.dtype == torch.float32 and want.abs().max() >= 16
     rounded = (want.to(torch.bfloat16).float() - want).abs().max()  # what a bf16 logit loses here
     assert rounded > 0.01 and (ours - want).abs().max() < 1e-4, ((ours - want).abs().max(), rounded)
+    # the CPU keeps an fp32 copy of the bf16 lm_head (sampler.fp32_weight): an in-place refresh of the weights, as
+    # train.py's sync_rollout_weights makes after every update, must reach the logits
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight.flip(0))  # tied: the embedding changes too
+        cache = sampler.KVCache(model, 1, ids.shape[1] + 1)
+        again = sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids, torch.tensor([ids.shape[1]]), ids.shape[1])
+    want = seen[-1].float() @ model.lm_head.weight.float().T
+    assert (again - want).abs().max() < 1e-4 and (again - ours).abs().max() > 1
 
 
 def test_token_logprobs_under_bf16_autocast_come_from_fp32_logits():
