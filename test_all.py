@@ -3373,6 +3373,16 @@ def test_bad_flags_give_one_line_errors(flags, message):
 
 
 @pytest.mark.slow
+def test_validation_chunks_fit_the_static_pool_of_one_presets_training_call(tmp_path, monkeypatch):
+    # run_rollout calls the sampler once per preset: with --env A:2 B:2 a training call has 2 groups' rows, and
+    # validation runs in chunks of that size, so the static pool it shares has no rows that training decodes idle
+    import train
+    monkeypatch.setattr(sampler, "_POOL", {})
+    train.main([*TINY, "--env", "SimpleSokoban:2", "FrozenLake:2", "--algo", "grpo", "--val-groups", "8", "--val-every", "1",
+                "--steps", "1", "--sampler", "static", "--out", str(tmp_path / "run")])
+    assert sampler._POOL["kv"][0][0].shape[0] == 2 * 2  # groups of one preset x --group-size
+
+
 def test_demo_preset_runs_with_the_tiny_model_and_flags_override_it(tmp_path):
     out = str(tmp_path / "demo")
     r = run_train("--lr", "1e-3", "--demo", "--model", "tiny", "--steps", "2", "--val-every", "2", "--val-groups", "4",

@@ -276,8 +276,8 @@ def print0(*a):
 @dataclass
 class State:
     """What the step's parts work with besides the flags: where this rank computes, the models and their optimisers.
-    rollout_model is the actor itself on one fp32 process, else an unsharded copy (bf16 on GPU) refreshed after every
-    update; critic and ref are None when --algo and --kl-coef need none."""
+    rollout_model is the actor itself on one fp32 process, else an unsharded copy (bf16 in bf16 compute) refreshed
+    after every update; critic and ref are None when --algo and --kl-coef need none."""
     device: torch.device
     actor: torch.nn.Module
     tok: object
@@ -429,9 +429,10 @@ def validate(st, args, step, envs, say):
     """RAGEN's protocol: fixed seeds from --val-seed, groups of 1, temperature 0.5, every val preset."""
     m = {}
     for key in args.val_env:
-        # in chunks of the training rollout's size, so the sampler's one static KV pool (sized by training) serves
-        # validation too; the noise is keyed by episode seed, so chunking changes no sampled token
-        chunk = args.num_groups * args.group_size
+        # in chunks of the largest training rollout call's size (one preset's groups: run_rollout calls the sampler
+        # once per preset), so the sampler's one static KV pool (sized by training) serves validation too and no
+        # training call decodes idle rows; the noise is keyed by episode seed, so chunking changes no sampled token
+        chunk = max(n for _, n in args.env_mix) * args.group_size
         out = ranks.merge_rows([run_rollout(st, args, [(key, min(chunk, args.val_groups - g0))], 1, args.val_seed + g0,
                                             args.val_temperature, envs, say, "validation")[0]
                                 for g0 in range(0, args.val_groups, chunk)])
