@@ -35,7 +35,7 @@ import sampler as sampler_py
 import starpo
 
 DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
-        "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 --old-logp sampler "
+        "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 "
         "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
 # --algo, the advantage estimators (advantages() dispatches on the name). Those of CRITIC_ALGOS learn a value function:
 # resolve_args sets args.critic, and the critic, its optimiser, value pass, update, checkpoint and memory follow it
