@@ -590,6 +590,12 @@ def fake_cuda_model(model, dtype):
     return model
 
 
+def cuda_layout(o):
+    """o [B, H, L, D], the values the same, stored as CUDA's memory-efficient and flash kernels store their output:
+    [B, L, H, D] memory returned as its transposed view (their meta kernels end in res.transpose(1, 2))."""
+    return o.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def efficient_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as CUDA's memory-efficient kernel runs it. Autocast casts the inputs first (SDPA
     is on its lower-precision list); then an AssertionError unless the inputs are ones that kernel takes: one device;
@@ -878,7 +884,7 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     real, strides = torch.nn.functional.scaled_dot_product_attention, []
 
     def kernel(*a, **k):  # SDPA with CUDA's output layout, recording its strides
-        o = real(*a, **k) if cuda else real(*a, **k).transpose(1, 2).contiguous().transpose(1, 2)
+        o = real(*a, **k) if cuda else cuda_layout(real(*a, **k))
         strides.append(o.stride())
         return o
 

@@ -2,11 +2,12 @@
 filled, mirrored into the rollout copy, gathered for checkpoints and filled back on resume.
 
 Weights are fp32 (the optimizer's master copy); in bf16 compute (CUDA, or a CPU with native bf16: models.compute_dtype)
-the forward runs in bf16 autocast, as RAGEN's FSDP mixed precision does. Rank 0 alone reads the weights (fp32 on the CPU, self-checked by models.load_model) and builds the
-models there; every rank works on their structure on the meta device (meta_copy: no memory), shards it under
-torchrun (shard), and only then allocates it on the device and fills it from rank 0's state dicts, broadcast
-(materialize). No GPU ever holds a whole fp32 model before sharding (Qwen2.5-7B PPO: 83 GB of fp32 actor, critic
-trunk and rollout copy on each rank), and the rollout copy is allocated in its own dtype.
+the forward runs in bf16 autocast, as RAGEN's FSDP mixed precision does. Rank 0 alone reads the weights (fp32 on the
+CPU, self-checked by models.load_model) and builds the models there; every rank works on their structure on the meta
+device (meta_copy: no memory), shards it under torchrun (shard), and only then allocates it on the device and fills
+it from rank 0's state dicts, broadcast (materialize). No GPU ever holds a whole fp32 model before sharding
+(Qwen2.5-7B PPO: 83 GB of fp32 actor, critic trunk and rollout copy on each rank), and the rollout copy is allocated
+in its own dtype.
 Rollouts run on a plain unsharded copy (the sampler calls submodules directly, which FSDP2's hooks would not see),
 refreshed after every update (sync_rollout_weights). Under LoRA the adapter is merged into that copy, and only the
 adapters are gathered.

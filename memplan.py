@@ -137,13 +137,14 @@ def check_launch(args, world, device):
         if args.plan is not None:
             raise ValueError(f"cannot load --model {args.model}: cannot read its config: {str(e).splitlines()[0]}") from e
         return None, None
+    import models
     import torch
     use_cuda = device.type == "cuda"
     cuda_bytes = torch.cuda.get_device_properties(device).total_memory if use_cuda else None
     gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
     kw = dict(world=world, rows=args.num_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
               seq=args.max_context, critic=args.critic, ref=args.kl_coef > 0 and not args.lora_rank,
-              bf16=args.dtype == "bf16" or (args.dtype == "auto" and gpu_plan), ckpt=args.grad_checkpointing,
+              bf16=models.compute_dtype(args.dtype, "cuda" if gpu_plan else "cpu") == "bf16", ckpt=args.grad_checkpointing,
               lora_rank=args.lora_rank)
     plan = plan_memory(cfg, **kw)
     gpu_bytes = (args.gpu_memory_gb * GIB if args.gpu_memory_gb is not None else

@@ -140,14 +140,25 @@ def native_bf16():
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def compute_dtype(flag, device):
+def compute_dtype(flag, device, saved=None):
     """The dtype that train.py's, sft.py's and eval.py's --dtype names: "fp32", "bf16", or "auto" = bf16 on CUDA and on
-    a CPU with native bf16, fp32 on other CPUs. Weights and AdamW stay fp32 wherever they train (bf16 autocast)."""
+    a CPU with native bf16, fp32 on other CPUs. Weights and AdamW stay fp32 wherever they train (bf16 autocast).
+    saved: a resumed run's args; under auto it keeps its own compute dtype (a run saved without one: CUDA's bf16, else
+    fp32, the rule it ran under)."""
     if flag not in ("auto", "fp32", "bf16"):
         raise ValueError(f"--dtype {flag!r}: need auto, fp32 or bf16")
+    cuda = torch.device(device).type == "cuda"
     if flag != "auto":
         return flag
-    return "bf16" if torch.device(device).type == "cuda" or native_bf16() else "fp32"
+    if saved is not None:
+        return saved.get("compute_dtype", "bf16" if cuda else "fp32")
+    return "bf16" if cuda or native_bf16() else "fp32"
+
+
+def dtype_line(dtype, flag, device):
+    """The line train.py and sft.py print: the compute dtype and why."""
+    native = torch.device(device).type == "cpu" and native_bf16()
+    return f"compute dtype {dtype} (--dtype {flag}{'; this CPU has native bf16' if native else ''})"
 
 
 def cast_parameters(model, dtype):

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 def init_compute(device_flag, ddp, timeout_min):
     """This rank's device from a --device flag (auto | cpu | cuda; auto: CUDA when available), on CUDA the LOCAL_RANK'th
-    GPU, made current; and, when ddp, the process group (NCCL on CUDA, else gloo) whose
-    collectives wait at most timeout_min minutes."""
+    GPU, made current; and, when ddp, the process group (NCCL on CUDA, else gloo) whose collectives wait at most
+    timeout_min minutes."""
     if device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available()):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

@@ -387,13 +387,12 @@ def main(argv=None):
     if args.resume and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         try:
             ckpt = read_checkpoint(os.path.join(out_dir, "ckpt.pt"), args)
-            if args.dtype == "auto":  # a resumed run keeps its compute dtype unless --dtype names one
-                args.compute_dtype = ckpt["args"].get("compute_dtype", "bf16" if device.type == "cuda" else "fp32")
+            args.compute_dtype = models.compute_dtype(args.dtype, device, ckpt["args"])  # a resumed run keeps its own
         except ValueError as e:
             die(e)
     elif args.resume:
         say(f"no {out_dir}/ckpt.pt yet: starting at step 0")
-    say(f"compute dtype {args.compute_dtype} (--dtype {args.dtype}{'; this CPU has native bf16' if device.type == 'cpu' and models.native_bf16() else ''})")
+    say(models.dtype_line(args.compute_dtype, args.dtype, device))
 
     # demonstrations: every rank renders all of them (no model call, deterministic) and trains on its share
     rows, heldout, skipped, t0 = [], [], {}, time.perf_counter()  # skipped: {preset: held-out seeds skipped as seen}

@@ -2105,16 +2105,14 @@ def test_gumbel_sampler_draws_from_the_softmax_and_nucleus():
 
 
 def test_sampler_noise_is_splitmix64_of_the_key_and_the_vocab_index():
-    # the counter-based RNG against an independent reference: splitmix64's finaliser in Python's unbounded ints, and
-    # the Gumbel-max draw written out of place; the sampler computes it in place, and must leave its inputs alone
-    def mix(z):  # splitmix64 finaliser on an unsigned 64-bit int
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2 ** 64
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2 ** 64
-        return z ^ (z >> 31)
-    signed = lambda z: z - 2 ** 64 if z >= 2 ** 63 else z
+    # the counter-based RNG against an independent reference: splitmix64's finaliser in Python's unbounded ints
+    # (bench.splitmix64, which --gpu-check holds CUDA to), and the Gumbel-max draw written out of place; the sampler
+    # computes it in place, and must leave its inputs alone
+    import bench
+    mix = lambda z: bench.splitmix64(z) % 2 ** 64  # on an unsigned 64-bit int
     keys = torch.tensor([0, 1, -1, 2 ** 62 + 12345, -(2 ** 63), 987654321])
     kept = keys.clone()
-    assert sampler.mix64(keys).tolist() == [signed(mix(k % 2 ** 64)) for k in keys.tolist()]
+    assert sampler.mix64(keys).tolist() == [bench.splitmix64(k) for k in keys.tolist()]
     logits = torch.randn(len(keys), 50, generator=torch.Generator().manual_seed(0)) * 3   # [B, V]
     logits_kept = logits.clone()
     tok, lp = sampler.sample_next(logits, keys, temperature=0.7)
@@ -2785,10 +2783,10 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
 
 
 def cuda_layout_sdpa(real):
-    """F.scaled_dot_product_attention with the output layout of CUDA's memory-efficient and flash kernels: the same
-    values, stored as [B, T, H, D] memory and returned as its transposed view (their meta kernels end in
-    res.transpose(1, 2); test_cuda_efficient_attention_returns_a_transposed_view pins that)."""
-    return lambda *a, **k: real(*a, **k).transpose(1, 2).contiguous().transpose(1, 2)
+    """F.scaled_dot_product_attention with the output layout of CUDA's memory-efficient and flash kernels
+    (bench.cuda_layout; test_cuda_efficient_attention_returns_a_transposed_view pins it to the meta kernel)."""
+    import bench
+    return lambda *a, **k: bench.cuda_layout(real(*a, **k))
 
 
 @pytest.mark.parametrize("path", ["eager", "static", "compiled", "no-kv-reuse", "generate"])
@@ -2821,13 +2819,14 @@ def test_sampler_samples_the_same_under_cuda_sdpa_output_layout(monkeypatch, tin
 def test_cuda_efficient_attention_returns_a_transposed_view():
     # the layout cuda_layout_sdpa emulates, read off the installed torch's meta kernel for CUDA's memory-efficient
     # attention (the kernel a masked SDPA runs on a GPU) on fake CUDA tensors: a torch that changes it fails here
+    import bench
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q = torch.empty(2, 2, 112, 64, dtype=torch.bfloat16, device="cuda")       # [B, KV, G*T, D]
         kv = torch.empty(2, 2, 128, 64, dtype=torch.bfloat16, device="cuda")      # [B, KV, S, D]
         mask = torch.empty(2, 1, 112, 128, dtype=torch.bfloat16, device="cuda")
         out = torch.ops.aten._scaled_dot_product_efficient_attention(q, kv, kv, mask, False)[0]
-        emulated = cuda_layout_sdpa(lambda *a: torch.empty(2, 2, 112, 64))()
+        emulated = bench.cuda_layout(torch.empty(2, 2, 112, 64))
     assert out.shape == (2, 2, 112, 64) and out.stride() == emulated.stride() == (14336, 64, 128, 1)
 
 
@@ -2953,6 +2952,9 @@ def test_dtype_auto_is_bf16_exactly_where_the_cpu_has_native_bf16(tmp_path, monk
     # matrix units, else fp32; printed, and recorded in args.json (sft.json); a bf16 CPU run samples from a bf16 copy
     import train
     assert [models.compute_dtype(f, "cuda") for f in ("auto", "fp32", "bf16")] == ["bf16", "fp32", "bf16"]
+    # a resumed run keeps its own under auto (one saved before the key: the rule it ran under), not a named one
+    assert [models.compute_dtype(f, "cpu", saved) for f, saved in (("auto", {"compute_dtype": "bf16"}), ("auto", {}),
+            ("fp32", {"compute_dtype": "bf16"}))] == ["bf16", "fp32", "fp32"]
     auto = TINY[:2] + TINY[4:]  # TINY without its --dtype fp32
     assert "--dtype" not in auto
     for native, want in ((False, "fp32"), (True, "bf16")):

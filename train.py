@@ -807,13 +807,10 @@ def main(argv=None):
         # run directory (checkpoint.py): a resumed run takes the same flags, except those that change neither what is
         # trained nor the sampled tokens (checkpoint.RESUME_MAY_CHANGE)
         ckpt = checkpoint.open_run(args)
-        # the compute dtype (models.compute_dtype; args.json records it); a resumed run keeps its own unless --dtype names one
-        args.compute_dtype = models.compute_dtype(args.dtype, device)
-        if ckpt is not None and args.dtype == "auto":
-            args.compute_dtype = ckpt["args"].get("compute_dtype", "bf16" if device.type == "cuda" else "fp32")
+        # the compute dtype (args.json records it); a resumed run keeps its own unless --dtype names one
+        args.compute_dtype = models.compute_dtype(args.dtype, device, ckpt["args"] if ckpt is not None else None)
         torch.backends.cuda.matmul.allow_tf32 = False  # --dtype fp32 on a GPU is fp32, not TF32
-        print0(f"compute dtype {args.compute_dtype} (--dtype {args.dtype}"
-               f"{'; this CPU has native bf16' if device.type == 'cpu' and models.native_bf16() else ''})")
+        print0(models.dtype_line(args.compute_dtype, args.dtype, device))
         if args.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb needs wandb: pip install -r requirements-wandb.txt")
         torch.manual_seed(args.seed)
