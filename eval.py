@@ -316,11 +316,14 @@ def plot_run(*run_dirs, out=None, baselines=()):
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install matplotlib") from e
     runs = [(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in run_dirs]
-    cols = math.ceil(len(PANELS) / 2)
-    fig, axes = plt.subplots(2, cols, figsize=(4.4 * cols, 6.8))  # one panel per PANELS entry
-    for ax in axes.flat[len(PANELS):]:
+    # only the panels some run has data for (no critic panel for GRPO, no MI panels with --collapse-every 0)
+    panels = [(title, patterns) for title, patterns in PANELS
+              if any(fnmatch.fnmatch(k, p) for _, series in runs for k in series for p in patterns)]
+    cols = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(2, cols, figsize=(4.4 * cols, 6.8), squeeze=False)  # one panel per drawn PANELS entry
+    for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, (title, patterns) in zip(axes.flat, PANELS):
+    for ax, (title, patterns) in zip(axes.flat, panels):
         for r, (name, series) in enumerate(runs):
             keys = sorted(k for k in series if any(fnmatch.fnmatch(k, p) for p in patterns))
             for i, k in enumerate(keys):

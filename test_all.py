@@ -4356,6 +4356,10 @@ def test_plot_hand_written_metrics(tmp_path):
     assert flat["random: 0.19"] == {0.19} and flat["warm-up: 0.15"] == {0.15}
     ev_panel = [ax for ax in drawn[0].axes if ax.get_title().startswith("critic explained variance")]
     assert len(ev_panel) == 1 and list(ev_panel[0].lines[0].get_ydata()) == pytest.approx([s / 10 - 0.2 for s in range(6)])
+    # only panels with data: these metrics have no MI, retrieval or actions-per-turn panel, and no drawn panel is empty
+    titles = [ax.get_title() for ax in drawn[0].axes if ax.get_title()]
+    assert len(titles) == 9 and not any(t.startswith(("prompt", "actions per turn")) for t in titles)
+    assert all(ax.lines for ax in drawn[0].axes if ax.get_title())
     with pytest.raises(SystemExit):
         ev.main(["--plot", str(tmp_path), "--baseline", "random"])
 
