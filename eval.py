@@ -128,22 +128,49 @@ def paired(a, b):
                 paired_se=se, diff_in_se=diff / se if se > 0 else None, a_alone=d.count(-1), b_alone=d.count(1))
 
 
-def compare(dir_a, dir_b):
-    """eval.py --paired A B: the paired table of every preset both evaluations played. Refuses two evaluations that
-    sampled differently (sampler seed, temperature, greedy): their episodes would not be paired."""
-    for d in (dir_a, dir_b):
+def paired_runs(a, bs):
+    """Several runs of one arm (e.g. RL seeds), each evaluation in bs, against evaluation a on the same episodes: the
+    mean over runs of their success differences, its standard error over runs (std / sqrt(runs), the seed-to-seed
+    spread), and the paired standard error of the runs' mean success per episode against a (the judge-board spread)."""
+    rows = [paired(a, b) for b in bs]
+    k, diffs = len(rows), [r["diff"] for r in rows]
+    mean = sum(diffs) / k
+    se_runs = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (k - 1) / k) if k > 1 else None
+    won = lambda recs: {(r["seed"], r["sample"]): int(bool(r["success"])) for r in recs}
+    wa, wbs = won(a), [won(b) for b in bs]
+    d = [sum(wb[e] for wb in wbs) / k - wa[e] for e in sorted(wa)]  # per episode: the runs' mean success minus a's
+    n = len(d)
+    se_episodes = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    return dict(runs=k, success_a=rows[0]["success_a"], mean_success_b=sum(r["success_b"] for r in rows) / k,
+                mean_diff=mean, se_over_runs=se_runs, paired_se_of_mean=se_episodes)
+
+
+def compare(dir_a, *dirs_b):
+    """eval.py --paired A B [B ...]: the paired table of every preset A and each B played; with several Bs (the seeds
+    of one arm) also their mean difference with its standard errors (paired_runs). Refuses evaluations that sampled
+    differently (sampler seed, temperature, greedy): their episodes would not be paired."""
+    for d in (dir_a, *dirs_b):
         if not os.path.exists(os.path.join(d, "summary.json")):
-            raise ValueError(f"{d} has no summary.json (give two eval.py output directories)")
-    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (dir_a, dir_b))
+            raise ValueError(f"{d} has no summary.json (give eval.py output directories)")
+    sa = json.load(open(os.path.join(dir_a, "summary.json")))
     keys = ("sample_seed", "temperature", "greedy", "samples")
-    if any(sa["args"].get(k) != sb["args"].get(k) for k in keys):
-        raise ValueError(f"{dir_a} and {dir_b} sampled differently ({', '.join(keys)} must match)")
     read = lambda d, key: [json.loads(l) for l in open(os.path.join(d, f"{key}.jsonl"))]
-    rows = {key: paired(read(dir_a, key), read(dir_b, key)) for key in sa["results"] if key in sb["results"]}
-    if not rows:
-        raise ValueError(f"{dir_a} and {dir_b} share no preset")
-    print(f"A = {dir_a}, B = {dir_b}")
-    print_table(rows)
+    shared = list(sa["results"])
+    for dir_b in dirs_b:
+        sb = json.load(open(os.path.join(dir_b, "summary.json")))
+        if any(sa["args"].get(k) != sb["args"].get(k) for k in keys):
+            raise ValueError(f"{dir_a} and {dir_b} sampled differently ({', '.join(keys)} must match)")
+        shared = [key for key in shared if key in sb["results"]]
+    if not shared:
+        raise ValueError(f"{dir_a} and {', '.join(dirs_b)} share no preset")
+    for dir_b in dirs_b:
+        print(f"A = {dir_a}, B = {dir_b}")
+        rows = {key: paired(read(dir_a, key), read(dir_b, key)) for key in shared}
+        print_table(rows)
+    if len(dirs_b) > 1:
+        print(f"A = {dir_a}, B = the mean of {len(dirs_b)} runs")
+        rows = {key: paired_runs(read(dir_a, key), [read(d, key) for d in dirs_b]) for key in shared}
+        print_table(rows)
     return rows
 
 
@@ -356,8 +383,9 @@ def build_parser():
     baseline = lambda text: (text.rpartition("=")[0], float(text.rpartition("=")[2]))  # NAME=SUCCESS; argparse says if not
     p.add_argument("--baseline", nargs="+", type=baseline, default=[], metavar="NAME=SUCCESS", help="with --plot: reference success "
                    "rates drawn as horizontal lines, e.g. random=0.19 warm-up=0.15")
-    p.add_argument("--paired", nargs=2, default=None, metavar=("EVAL_A", "EVAL_B"), help="compare two eval.py outputs "
-                   "of the same seeds and sampler seed: success difference B - A, its paired standard error, wins alone")
+    p.add_argument("--paired", nargs="+", default=None, metavar="EVAL", help="EVAL_A EVAL_B [EVAL_B ...]: compare eval.py "
+                   "outputs of the same seeds and sampler seed: success difference B - A, its paired standard error, wins "
+                   "alone; several Bs (one arm's seeds): also their mean difference, its SE over runs and paired SE")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
@@ -387,6 +415,8 @@ def main(argv=None):
             print(plot_run(*args.plot, out=args.out, baselines=args.baseline))
             return
         if args.paired:
+            if len(args.paired) < 2:
+                raise ValueError("--paired needs EVAL_A and at least one EVAL_B")
             compare(*args.paired)
             return
         if args.model is None:

@@ -4245,6 +4245,23 @@ def test_paired_comparison_by_hand(tmp_path, capsys):
     with pytest.raises(SystemExit):  # not an evaluation's directory: one line
         ev.main(["--paired", str(tmp_path / "A"), str(tmp_path)])
     assert "has no summary.json" in capsys.readouterr().err
+    # two runs of one arm: B as above (diff 0.2) and D winning 0 0 1 1 1 (d = -1 0 0 1 0, diff 0). Mean 0.1; over
+    # runs: sample std of (0.2, 0) is 0.1414, / sqrt(2) = 0.1. Per episode, the runs' mean minus A: -0.5 0.5 0 1 -0.5,
+    # deviations from 0.1 squared sum to 1.7: paired SE sqrt(1.7 / 4 / 5) = 0.2915
+    d = [rec(s, w) for s, w in zip(range(5), [0, 0, 1, 1, 1])]
+    row = ev.paired_runs(a, [b, d])
+    assert row["mean_diff"] == pytest.approx(0.1) and row["se_over_runs"] == pytest.approx(0.1)
+    assert row["paired_se_of_mean"] == pytest.approx(math.sqrt(1.7 / 20)) and row["mean_success_b"] == pytest.approx(0.7)
+    (tmp_path / "D").mkdir()
+    (tmp_path / "D" / "Toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in d))
+    (tmp_path / "D" / "summary.json").write_text((tmp_path / "B" / "summary.json").read_text())
+    ev.main(["--paired", str(tmp_path / "A"), str(tmp_path / "B"), str(tmp_path / "D")])
+    out = capsys.readouterr().out
+    assert "| Toy | 5 | 0.600 | 0.600 | 0.000 | 0.316 | 0.000 | 1 | 1 |" in out  # D alone: d var 2 / 4, SE sqrt(0.1)
+    assert "B = the mean of 2 runs" in out and "| Toy | 2 | 0.600 | 0.700 | 0.100 | 0.100 | 0.292 |" in out
+    with pytest.raises(SystemExit):
+        ev.main(["--paired", str(tmp_path / "A")])
+    assert "at least one EVAL_B" in capsys.readouterr().err
 
 
 def test_unseen_keeps_exactly_the_judge_seeds_with_unseen_boards(tmp_path, capsys):
