@@ -113,12 +113,16 @@ def summarize(records, samples):
     return row
 
 
+def wins(records):
+    """{(seed, sample): 1 if the episode succeeded else 0} of an evaluation's episode records."""
+    return {(r["seed"], r["sample"]): int(bool(r["success"])) for r in records}
+
+
 def paired(a, b):
     """Success of evaluation b against evaluation a on the same episodes (each list of episode records, matched by
     seed and sample): the difference in success rate, its paired standard error (of the per-episode differences), and
     the episodes won by each alone. Raises ValueError when the two did not play the same episodes."""
-    won_a = {(r["seed"], r["sample"]): int(bool(r["success"])) for r in a}
-    won_b = {(r["seed"], r["sample"]): int(bool(r["success"])) for r in b}
+    won_a, won_b = wins(a), wins(b)
     if won_a.keys() != won_b.keys() or len(won_a) < 2:
         raise ValueError("the two evaluations did not play the same seeds and samples (at least two)")
     d = [won_b[k] - won_a[k] for k in sorted(won_a)]  # per episode: +1 won by b alone, -1 by a alone
@@ -136,8 +140,7 @@ def paired_runs(a, bs):
     k, diffs = len(rows), [r["diff"] for r in rows]
     mean = sum(diffs) / k
     se_runs = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (k - 1) / k) if k > 1 else None
-    won = lambda recs: {(r["seed"], r["sample"]): int(bool(r["success"])) for r in recs}
-    wa, wbs = won(a), [won(b) for b in bs]
+    wa, wbs = wins(a), [wins(b) for b in bs]
     d = [sum(wb[e] for wb in wbs) / k - wa[e] for e in sorted(wa)]  # per episode: the runs' mean success minus a's
     n = len(d)
     se_episodes = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
@@ -163,13 +166,15 @@ def compare(dir_a, *dirs_b):
         shared = [key for key in shared if key in sb["results"]]
     if not shared:
         raise ValueError(f"{dir_a} and {', '.join(dirs_b)} share no preset")
-    for dir_b in dirs_b:
+    a = {key: read(dir_a, key) for key in shared}  # A's episodes, read once for every B
+    bs = [{key: read(dir_b, key) for key in shared} for dir_b in dirs_b]
+    for dir_b, b in zip(dirs_b, bs):
         print(f"A = {dir_a}, B = {dir_b}")
-        rows = {key: paired(read(dir_a, key), read(dir_b, key)) for key in shared}
+        rows = {key: paired(a[key], b[key]) for key in shared}
         print_table(rows)
     if len(dirs_b) > 1:
         print(f"A = {dir_a}, B = the mean of {len(dirs_b)} runs")
-        rows = {key: paired_runs(read(dir_a, key), [read(d, key) for d in dirs_b]) for key in shared}
+        rows = {key: paired_runs(a[key], [b[key] for b in bs]) for key in shared}
         print_table(rows)
     return rows
 
