@@ -1,9 +1,9 @@
-"""Cue: a tiny diagnostic task for the learning tests (test_all.py), not a RAGEN environment.
+"""Cue: a tiny diagnostic task for the learning tests (test_all.py) and the README's demo, not a RAGEN environment.
 
 The first state shows a cue letter, repeated ("cue QQQ..."); the right first answer is that letter, one of
 `letters`. The cue is drawn uniformly from the seed, so a policy that ignores the state cannot beat
 1 / len(letters): only an observation-conditioned policy can. One-letter answers let a random-init byte-level
-model learn it in seconds on a CPU. The presets use Q and Z, letters no other part of the prompt contains, and
+model learn it in seconds on a CPU. Cue and CueDelay use Q and Z, letters no other part of the prompt contains, and
 show the cue `repeat` = 32 times: a 2-layer random model starts out attending almost uniformly over the
 ~300-token prompt, and 32 copies give the cue a share of that average that it learns to read within about 100
 SFT steps.
@@ -11,6 +11,8 @@ SFT steps.
   CueDelay  two turns: the cue is shown only at turn 1; the next state is "wait" and its one valid answer is
             "go". The only reward comes with "go" and is 1 if the turn-1 answer was the cue letter: credit for
             the last turn's reward has to travel back to turn 1.
+  CueAM, CueNZ  one turn, the cue shown once ("cue K"), 13 letters each (A-M, N-Z): the README's demo (sft.py
+            --demo, then train.py --demo) trains a pretrained model on A-M and validates on both.
 Actions are matched case-insensitively after stripping spaces; anything else is an invalid no-op.
 Randomness: random.Random(seed) at reset draws the cue; nothing else is random.
 
@@ -28,9 +30,17 @@ def cue_preset(turns):
                 max_tokens=4, max_turns=turns, max_actions_per_turn=1)
 
 
+def letters_preset(letters):
+    """One turn, the cue shown once, for a pretrained model (the README's demo)."""
+    return dict(kwargs=dict(letters=letters, turns=1, repeat=1), instruction=CUE_INSTRUCTION, max_actions_per_traj=1,
+                max_tokens=4, max_turns=1, max_actions_per_turn=1)
+
+
 PRESETS = {
     "Cue": cue_preset(1),
     "CueDelay": cue_preset(2),
+    "CueAM": letters_preset("ABCDEFGHIJKLM"),  # the demo trains on these ...
+    "CueNZ": letters_preset("NOPQRSTUVWXYZ"),  # ... and validates on these too: letters it never answers in training
 }
 
 

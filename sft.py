@@ -269,6 +269,12 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
 
 
 # ----------------------------------------------------------------------------- the script
+# --demo: train.py --demo's start, a format warm-up: Cue with letters A-M played by the random policy, so the model
+# learns to answer one letter in the format and nothing of which letter is right (success 1/13)
+DEMO = ("--model smollm2 --env CueAM --policy random --no-think --max-new-tokens 8 --episodes 64 --batch-size 8 "
+        "--heldout 0 --out runs/demo-sft")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -308,6 +314,8 @@ def build_parser():
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype (bf16 autocast, "
                    "fp32 weights and AdamW): auto = bf16 on CUDA and on a CPU with native bf16, else fp32; as train.py")
     p.add_argument("--out", default=None, help="output HF directory (default runs/sft-<preset>-<policy>-<time>)")
+    p.add_argument("--demo", action="store_true", help=f"the first half of the README's demo: {DEMO}; flags given with "
+                   "it override these")
     return p
 
 
@@ -363,7 +371,10 @@ def trainable(model, args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    argv, p = sys.argv[1:] if argv is None else argv, build_parser()
+    args = p.parse_args(argv)
+    if args.demo:  # the preset first, the command line after it: for a flag given twice argparse keeps the last
+        args = p.parse_args(DEMO.split() + argv)
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -399,7 +410,10 @@ def main(argv=None):
     for key in presets:
         settings = agent.agent_settings(key, dict(vars(args), sample_seed=0))
         seeds = list(range(args.seed, args.seed + args.episodes))
-        got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
+        try:  # an answer over --max-new-tokens in this tokenizer
+            got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
+        except ValueError as e:
+            die(e)
         rows += got
         say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings['max_turns']} "
             f"turns x {settings['max_actions_per_turn']} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "

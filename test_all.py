@@ -3385,18 +3385,31 @@ def test_validation_chunks_fit_the_static_pool_of_one_presets_training_call(tmp_
     assert sampler._POOL["kv"][0][0].shape[0] == 2 * 2  # groups of one preset x --group-size
 
 
-def test_demo_preset_runs_with_the_tiny_model_and_flags_override_it(tmp_path):
+def test_demo_presets_chain_sft_into_train_and_flags_override_them(tmp_path, capsys):
+    warm = str(tmp_path / "demo-sft")
+    code, out, err = sft_main(capsys, "--demo", "--model", "tiny", "--episodes", "8", "--out", warm)
+    assert code == 2 and "over max_new_tokens 8" in err  # the byte-level tiny model spells an answer in 12 tokens
+    code, out, err = sft_main(capsys, "--demo", "--model", "tiny", "--episodes", "8", "--max-new-tokens", "12", "--out", warm)
+    assert code == 0, err
+    meta = json.load(open(os.path.join(warm, "sft.json")))
+    assert (meta["env"], meta["policy"], meta["no_think"], meta["heldout"]) == (["CueAM"], "random", True, 0)  # the preset
+    assert (meta["model"], meta["episodes"]) == ("tiny", 8)  # given flags win
+    import train
+    assert sft.DEMO.endswith(" --out runs/demo-sft") and train.DEMO.startswith("--model runs/demo-sft ")  # one chain
     out = str(tmp_path / "demo")
-    r = run_train("--lr", "1e-3", "--demo", "--model", "tiny", "--steps", "2", "--val-every", "2", "--val-groups", "4",
-                  "--out", out)
+    r = run_train("--lr", "1e-3", "--demo", "--model", warm, "--max-new-tokens", "12", "--steps", "2", "--val-every", "2",
+                  "--val-groups", "4", "--out", out)
     args = json.load(open(os.path.join(out, "args.json")))
-    assert (args["env"], args["algo"], args["reward_norm"], args["no_think"]) == ("BanditTest", "grpo", "mean", True)  # the preset
-    assert (args["model"], args["lr"], args["steps"], args["val_groups"]) == ("tiny", 1e-3, 2, 4)  # given flags win, before or after --demo
-    demo_line = next(l for l in r.stdout.splitlines() if l.startswith("--demo = python train.py --model smollm2 "))
-    assert demo_line.endswith(f" --lr 1e-3 --model tiny --steps 2 --val-every 2 --val-groups 4 --out {out}")
+    assert (args["env"], args["val_env"], args["algo"], args["no_think"]) == ("CueAM", ["CueAM", "CueNZ"], "grpo", True)  # the preset
+    assert (args["model"], args["lr"], args["steps"], args["val_groups"]) == (warm, 1e-3, 2, 4)  # given flags win, before or after --demo
+    demo_line = next(l for l in r.stdout.splitlines() if l.startswith("--demo = python train.py --model runs/demo-sft "))
+    assert demo_line.endswith(f" --lr 1e-3 --model {warm} --max-new-tokens 12 --steps 2 --val-every 2 --val-groups 4 --out {out}")
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
-    assert "held-out validation, 4 seeds per preset, step 0 -> 2:\n  BanditTest: success " in r.stdout
+    assert "held-out validation, 4 seeds per preset, step 0 -> 2:\n  CueAM: success " in r.stdout and "\n  CueNZ: success " in r.stdout
     assert os.path.exists(os.path.join(out, "curves.png")) and f"curves: {os.path.join(out, 'curves.png')}" in r.stdout
+    # without the warm-up, train.py --demo says what to run first
+    r = run_train("--demo", "--model", str(tmp_path / "no-warm-up"), check=False)
+    assert r.returncode == 2 and "run python sft.py --demo first" in r.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.slow

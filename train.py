@@ -34,9 +34,11 @@ import rollout as rollout_py
 import sampler as sampler_py
 import starpo
 
-DEMO = ("--model smollm2 --env BanditTest --no-think --algo grpo --reward-norm mean --num-groups 4 --group-size 8 "
-        "--filter-ratio 0.25 --mini-batch-size 8 --micro-batch-size 4 --max-new-tokens 16 --lr 1e-4 "
-        "--steps 4 --val-every 4 --val-groups 32 --collapse-every 0 --log-trajectories-every 2")
+# --demo: GRPO from sft.py --demo's format warm-up on Cue with letters A-M, validated on held-out seeds of A-M and on
+# N-Z, letters neither the warm-up nor RL ever answers. The warm-up plays at random, so success is the task's own.
+DEMO = ("--model runs/demo-sft --env CueAM --val-env CueAM CueNZ --no-think --algo grpo --num-groups 8 --group-size 8 "
+        "--filter-ratio 0.5 --mini-batch-size 32 --micro-batch-size 16 --max-new-tokens 8 --lr 1e-5 "
+        "--steps 12 --val-every 12 --val-groups 128 --collapse-every 0 --log-trajectories-every 6")
 # --algo, the advantage estimators (advantages() dispatches on the name). Those of CRITIC_ALGOS learn a value function:
 # resolve_args sets args.critic, and the critic, its optimiser, value pass, update, checkpoint and memory follow it
 ALGOS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -822,7 +824,8 @@ def main(argv=None):
         try:  # the first prompts, counted in the model's tokens before any weight loads
             tok = models.load_tokenizer(args.model)
         except (ValueError, FileNotFoundError, OSError) as e:
-            raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}") from None
+            first = " (--demo starts from sft.py --demo's warm-up: run python sft.py --demo first)" if args.demo else ""
+            raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}{first}") from None
         check_context(args, tok)
         print0(f"loading --model {args.model} ...")
         st = build_models(args, device, ddp, rank, world)
