@@ -3397,13 +3397,14 @@ def test_demo_presets_chain_sft_into_train_and_flags_override_them(tmp_path, cap
     import train
     assert sft.DEMO.endswith(" --out runs/demo-sft") and train.DEMO.startswith("--model runs/demo-sft ")  # one chain
     out = str(tmp_path / "demo")
-    r = run_train("--lr", "1e-3", "--demo", "--model", warm, "--max-new-tokens", "12", "--steps", "2", "--val-every", "2",
-                  "--val-groups", "4", "--out", out)
+    r = run_train("--lr", "1e-3", "--demo", "--model", warm, "--max-new-tokens", "12", "--max-context", "512", "--steps", "2",
+                  "--val-every", "2", "--val-groups", "4", "--out", out)  # the byte-level tokenizer: longer prompts
     args = json.load(open(os.path.join(out, "args.json")))
     assert (args["env"], args["val_env"], args["algo"], args["no_think"]) == ("CueAM", ["CueAM", "CueNZ"], "grpo", True)  # the preset
     assert (args["model"], args["lr"], args["steps"], args["val_groups"]) == (warm, 1e-3, 2, 4)  # given flags win, before or after --demo
     demo_line = next(l for l in r.stdout.splitlines() if l.startswith("--demo = python train.py --model runs/demo-sft "))
-    assert demo_line.endswith(f" --lr 1e-3 --model {warm} --max-new-tokens 12 --steps 2 --val-every 2 --val-groups 4 --out {out}")
+    assert demo_line.endswith(f" --lr 1e-3 --model {warm} --max-new-tokens 12 --max-context 512 --steps 2 --val-every 2 "
+                              f"--val-groups 4 --out {out}")
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
     assert "held-out validation, 4 seeds per preset, step 0 -> 2:\n  CueAM: success " in r.stdout and "\n  CueNZ: success " in r.stdout
     assert os.path.exists(os.path.join(out, "curves.png")) and f"curves: {os.path.join(out, 'curves.png')}" in r.stdout

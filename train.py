@@ -38,7 +38,7 @@ import starpo
 # N-Z, letters neither the warm-up nor RL ever answers. The warm-up plays at random, so success is the task's own.
 DEMO = ("--model runs/demo-sft --env CueAM --val-env CueAM CueNZ --no-think --algo grpo --num-groups 8 --group-size 8 "
         "--filter-ratio 0.5 --mini-batch-size 32 --micro-batch-size 16 --max-new-tokens 8 --lr 1e-5 "
-        "--steps 12 --val-every 12 --val-groups 128 --collapse-every 0 --log-trajectories-every 6")
+        "--max-context 256 --steps 12 --val-every 12 --val-groups 128 --collapse-every 0 --log-trajectories-every 6")
 # --algo, the advantage estimators (advantages() dispatches on the name). Those of CRITIC_ALGOS learn a value function:
 # resolve_args sets args.critic, and the critic, its optimiser, value pass, update, checkpoint and memory follow it
 ALGOS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
