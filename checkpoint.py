@@ -143,7 +143,7 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
     j = lambda name: os.path.join(args.out, name)
     try:
         clean_interrupted_checkpoint(args.out)
-        torch.save(state, j("ckpt.pt.tmp"))
+        torch_save(state, j("ckpt.pt.tmp"))
         if lora:  # the peft config of the actor's adapters
             export = lora_export(args.model, lora_config(), actor_sd,
                                  os.path.join(j("hf.tmp"), "adapter") if args.save_adapter else None)
@@ -161,6 +161,15 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
         shutil.rmtree(j("hf.old"), ignore_errors=True)
     except OSError as e:
         raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
+
+
+def torch_save(obj, f):
+    """torch.save, except that a write that fails (a full disk) is an OSError: torch's zip writer reports it as a
+    RuntimeError ("unexpected pos ...")."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as e:
+        raise OSError(f"could not write {getattr(f, 'name', f)}: {e}") from None
 
 
 def load_checkpoint(args, ckpt, actor, opt, critic, critic_opt):

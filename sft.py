@@ -165,7 +165,7 @@ def save_checkpoint(path, model, opt, gen, step, order, extra):
     state = dict(model={n: q.detach().cpu() for n, q in model.named_parameters() if q.requires_grad},
                  optimizer=opt.state_dict(), step=step, generator=gen.get_state(), order=order, **extra)
     with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
+        checkpoint.torch_save(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -262,9 +262,12 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
         if (args.eval_every and done % args.eval_every == 0) or done == steps:
             log(done)
         if args.save_every and (done % args.save_every == 0 or done == steps) and rank == 0:
-            export(model, tok, os.path.join(out_dir, f"step{done}"), args.lora_rank)  # first: ckpt.pt says it is whole
-            save_checkpoint(ckpt_path, model, opt, gen, done, order, dict(
-                args=vars(args), seconds=time.perf_counter() - t0, loss=loss, recent=list(recent)))
+            try:
+                export(model, tok, os.path.join(out_dir, f"step{done}"), args.lora_rank)  # first: ckpt.pt says it is whole
+                save_checkpoint(ckpt_path, model, opt, gen, done, order, dict(
+                    args=vars(args), seconds=time.perf_counter() - t0, loss=loss, recent=list(recent)))
+            except OSError as e:  # a full disk: ckpt.pt is the last one written whole
+                raise OSError(f"checkpoint of step {done} failed, {out_dir} still holds the previous one: {e}") from None
     return loss
 
 
@@ -436,7 +439,10 @@ def main(argv=None):
     steps = args.steps or max(1, round(args.epochs * len(rows) / args.batch_size))
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-    loss = train(model.to(device).train(), tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, world, say)
+    try:
+        loss = train(model.to(device).train(), tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, world, say)
+    except OSError as e:
+        die(e)
     if rank == 0:  # a plain HF directory: the adapter merged in, fp32 weights, the tokenizer beside them
         final = model.merge_and_unload() if args.lora_rank else model
         final.float().eval().save_pretrained(out_dir)

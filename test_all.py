@@ -3632,6 +3632,32 @@ def test_a_new_env_is_one_file_and_one_registry_line(tmp_path, monkeypatch, caps
     assert "| Toy | 3 |" in capsys.readouterr().out
 
 
+def test_a_full_disk_during_torch_save_is_a_one_line_error_and_the_last_checkpoint_stays(tmp_path, monkeypatch, capsys):
+    # torch.save's zip writer reports a write that fails (a full disk) as a RuntimeError, not an OSError; train.py and
+    # sft.py say so in one line, and the checkpoint written before stays whole
+    import train
+    real, calls = torch.save, []
+
+    def full_at_second(obj, f, *a, **k):
+        calls.append(f)
+        if len(calls) == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", full_at_second)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--device", "cpu", "--model", "tiny", *TINY[4:], "--env", "bandit", "--algo", "grpo", "--steps", "2",
+                    "--save-every", "1", "--val-every", "0", "--collapse-every", "0", "--out", out])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith("train.py: checkpoint of step 1 failed, ") and "unexpected pos" in last
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 0  # step 0's, whole
+    calls.clear()
+    code, _, err = sft_main(capsys, "--model", "tiny", "--env", "bandit", "--episodes", "8", "--batch-size", "4",
+                            "--heldout", "0", "--save-every", "1", "--out", str(tmp_path / "sft"))
+    assert code == 2 and err.strip().splitlines()[-1].startswith("sft.py: checkpoint of step 2 failed, "), err
+    assert torch.load(os.path.join(tmp_path, "sft", "ckpt.pt"), weights_only=False)["step"] == 1
+
+
 def test_a_new_advantage_estimator_is_a_starpo_kind_and_a_name(tmp_path, monkeypatch):
     # docs/reference.md "Add an advantage estimator", a group one: a constant-baseline REINFORCE (advantage = score
     # - 0.5 on every sampled token) as a kind of starpo.group_advantages and a name in train.ALGOS, patched in process;
