@@ -25,22 +25,17 @@ import random
 CUE_INSTRUCTION = "Answer the cue letter, then go.\n"
 
 
-def cue_preset(turns):
-    return dict(kwargs=dict(letters="QZ", turns=turns, repeat=32), instruction=CUE_INSTRUCTION, max_actions_per_traj=turns,
-                max_tokens=4, max_turns=turns, max_actions_per_turn=1)
-
-
-def letters_preset(letters):
-    """One turn, the cue shown once, for a pretrained model (the README's demo)."""
-    return dict(kwargs=dict(letters=letters, turns=1, repeat=1), instruction=CUE_INSTRUCTION, max_actions_per_traj=1,
-                max_tokens=4, max_turns=1, max_actions_per_turn=1)
+def cue_preset(turns, letters="QZ", repeat=32):
+    return dict(kwargs=dict(letters=letters, turns=turns, repeat=repeat), instruction=CUE_INSTRUCTION,
+                max_actions_per_traj=turns, max_tokens=4, max_turns=turns, max_actions_per_turn=1)
 
 
 PRESETS = {
     "Cue": cue_preset(1),
     "CueDelay": cue_preset(2),
-    "CueAM": letters_preset("ABCDEFGHIJKLM"),  # the demo trains on these ...
-    "CueNZ": letters_preset("NOPQRSTUVWXYZ"),  # ... and validates on these too: letters it never answers in training
+    # the README's demo, for a pretrained model (the cue shown once): it trains on A-M and validates on both, so on
+    "CueAM": cue_preset(1, "ABCDEFGHIJKLM", repeat=1),  # letters it never answers in training too
+    "CueNZ": cue_preset(1, "NOPQRSTUVWXYZ", repeat=1),
 }
 
 
