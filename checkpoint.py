@@ -21,7 +21,7 @@ from fsdp import full_state, load_state, meta_copy
 # where and how long it runs, what it logs, memory, and the reference paths
 RESUME_MAY_CHANGE = ("resume", "out", "steps", "save_every", "wandb", "val_every", "device", "log_trajectories_every",
                      "micro_batch_size", "grad_checkpointing", "no_kv_reuse", "no_prefix_sharing", "collapse_every",
-                     "save_adapter", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler", "measure_activations",
+                     "save_adapter", "keep_hf", "force", "gpu_memory_gb", "pg_timeout_min", "plan", "sampler", "measure_activations",
                      "dtype", "compute_dtype")  # and the dtype: a resumed run keeps its compute dtype unless --dtype names one
 
 
@@ -159,6 +159,11 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
         os.rename(j("hf.tmp"), j("hf"))
         os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
         shutil.rmtree(j("hf.old"), ignore_errors=True)
+        if args.keep_hf:  # a copy named after the steps done; a resume that repeats the step replaces it
+            for d in (j(f"step{step + 1}.tmp"), j(f"step{step + 1}")):
+                shutil.rmtree(d, ignore_errors=True)
+            shutil.copytree(j("hf"), j(f"step{step + 1}.tmp"))
+            os.rename(j(f"step{step + 1}.tmp"), j(f"step{step + 1}"))
     except OSError as e:
         raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
 

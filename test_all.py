@@ -4028,6 +4028,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
+def test_keep_hf_leaves_every_checkpoint_as_an_hf_directory_to_judge_later(tmp_path):
+    """--keep-hf: each checkpoint's weights also stay as <out>/step<N> (N steps done), loadable and different per
+    step; the last equals hf/; a resume that repeats a step replaces its directory. Without it there are none."""
+    from safetensors.torch import load_file
+    out = str(tmp_path / "run")
+    flags = [*TINY, "--env", "frozenlake", "--algo", "grpo", "--lr", "1e-2", "--val-every", "0", "--collapse-every", "0",
+             "--save-every", "1"]
+    run_train(*flags, "--steps", "2", "--keep-hf", "--out", out)
+    assert sorted(d for d in os.listdir(out) if d.startswith("step")) == ["step1", "step2"]
+    w = {d: load_file(os.path.join(out, d, "model.safetensors")) for d in ("step1", "step2", "hf")}
+    assert all(torch.equal(w["step2"][k], w["hf"][k]) for k in w["hf"])
+    assert any(not torch.equal(w["step1"][k], w["step2"][k]) for k in w["hf"])
+    run_train(*flags, "--steps", "3", "--keep-hf", "--resume", out)
+    assert sorted(d for d in os.listdir(out) if d.startswith("step")) == ["step1", "step2", "step3"]
+    assert os.path.exists(os.path.join(out, "step3", "tokenizer_config.json"))
+    run_train(*flags, "--steps", "1", "--out", str(tmp_path / "plain"))
+    assert not [d for d in os.listdir(tmp_path / "plain") if d.startswith("step")]
+
+
 KILLED = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--lr", "1e-3", "--critic-lr", "1e-3", "--steps", "3", "--save-every", "1"]
 
 

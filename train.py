@@ -165,6 +165,8 @@ def add_run_flags(common, groups, ragen2):
     common.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
     common.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--keep-hf", action="store_true", help="every checkpoint also leaves its HF directory as <out>/step<N> (N steps "
+                   "done), to judge any of them later (hf/ holds only the last)")
     g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
     g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log each metrics.jsonl line, and the args as config, "
                    "to this wandb project (pip install -r requirements-wandb.txt); the run is named after --out, its files go "
