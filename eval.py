@@ -309,7 +309,8 @@ PANELS = [("success rate", ["train/*/success", "val-env/*/success"]),
           ("format-valid turns", ["train/*/format_ok_rate", "val-env/*/format_ok_rate"]),
           ("actions per turn", ["train/*/actions_per_turn", "val-env/*/actions_per_turn"]),
           ("prompt-response MI (RAGEN-2), nats", ["collapse/*/mi"]),
-          ("prompt retrieval from the response", ["collapse/*/retrieval_acc", "collapse/*/retrieval_chance"])]
+          ("prompt retrieval from the response", ["collapse/*/retrieval_acc", "collapse/*/retrieval_chance"]),
+          ("collapse warnings per step", ["collapse/warnings"])]
 
 
 def read_metrics(run_dir):
@@ -323,6 +324,8 @@ def read_metrics(run_dir):
             m = json.loads(line)
         except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
             continue
+        if isinstance(m.get("warnings"), list):  # train.py's collapse warnings, sentences: drawn as a count
+            m["collapse/warnings"] = len(m["warnings"])
         for k, v in m.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                 series.setdefault(k, ([], []))[0].append(m["step"])

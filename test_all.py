@@ -3151,6 +3151,17 @@ def test_train_logs_collapse_metrics_and_plot_overlays_runs(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
 
+def test_plot_reads_the_collapse_warnings_as_a_count_per_step(tmp_path):
+    # metrics.jsonl logs each step's warnings as a list of sentences; the plot draws how many each step had
+    lines = [{"step": 0, "rollout/in_group_std": 0.4, "warnings": []},
+             {"step": 1, "rollout/in_group_std": 0.01, "warnings": ["in-group reward std fell", "entropy fell"]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert ev.read_metrics(str(tmp_path))["collapse/warnings"] == ([0, 1], [0, 2])
+    assert any("collapse/warnings" in ps for _, ps in ev.PANELS)
+    png = ev.plot_run(str(tmp_path), out=str(tmp_path / "c.png"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 # two steps, no validation, no collapse diagnostics
 R2 = [*TINY, "--collapse-every", "0", "--val-every", "0", "--steps", "2"]
 
@@ -4434,7 +4445,8 @@ def test_plot_hand_written_metrics(tmp_path):
     assert len(ev_panel) == 1 and list(ev_panel[0].lines[0].get_ydata()) == pytest.approx([s / 10 - 0.2 for s in range(6)])
     # only panels with data: these metrics have no MI, retrieval or actions-per-turn panel, and no drawn panel is empty
     titles = [ax.get_title() for ax in drawn[0].axes if ax.get_title()]
-    assert len(titles) == 9 and not any(t.startswith(("prompt", "actions per turn")) for t in titles)
+    assert len(titles) == 10 and not any(t.startswith(("prompt", "actions per turn")) for t in titles)
+    assert "collapse warnings per step" in titles  # the steps' warning lists, counted
     assert all(ax.lines for ax in drawn[0].axes if ax.get_title())
     with pytest.raises(SystemExit):
         ev.main(["--plot", str(tmp_path), "--baseline", "random"])
