@@ -131,8 +131,8 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
     critic_opt, the torch RNG, step and monitor; hf/ the actor's weights in rollout_model's structure (under LoRA:
     the --model reloaded with the adapter of lora_config(), a factory, merged in) and tok. Every rank calls it (the
     state dicts are gathered collectively), rank 0 writes. Killed at any instant, the previous checkpoint stays
-    whole, hf/ is ahead of ckpt.pt for at most one rename, and clean_interrupted_checkpoint() puts it back; a failed
-    write raises OSError, which says so."""
+    whole, hf/ is ahead of ckpt.pt for at most one rename (and --keep-hf's copy of it to step<N>), and
+    clean_interrupted_checkpoint() puts it back; a failed write raises OSError, which says so."""
     lora = args.lora_rank > 0  # LoRA: adapters (+ critic head)
     actor_sd, actor_osd = full_state(actor, opt, lora)
     critic_sd, critic_osd = full_state(critic, critic_opt, lora) if critic is not None else (None, None)
@@ -157,13 +157,13 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
         if os.path.isdir(j("hf")):
             os.rename(j("hf"), j("hf.old"))
         os.rename(j("hf.tmp"), j("hf"))
-        os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
-        shutil.rmtree(j("hf.old"), ignore_errors=True)
-        if args.keep_hf:  # a copy named after the steps done; a resume that repeats the step replaces it
+        if args.keep_hf:  # a copy named after the steps done, before the commit: a resume that repeats the step redoes it
             for d in (j(f"step{step + 1}.tmp"), j(f"step{step + 1}")):
                 shutil.rmtree(d, ignore_errors=True)
             shutil.copytree(j("hf"), j(f"step{step + 1}.tmp"))
             os.rename(j(f"step{step + 1}.tmp"), j(f"step{step + 1}"))
+        os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
+        shutil.rmtree(j("hf.old"), ignore_errors=True)
     except OSError as e:
         raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
 
