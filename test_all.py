@@ -4064,10 +4064,11 @@ KILLED = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--lr", "1e-3", "--crit
 LEFTOVERS = {"hf.tmp", "hf.old", "ckpt.pt.tmp", "metrics.jsonl.tmp", "args.json.tmp"}
 
 
-def interrupted(out, at, how="kill"):
-    """One launch of KILLED into out (resuming it when it has a checkpoint), stopped before operation `at`."""
+def interrupted(out, at, how="kill", extra=()):
+    """One launch of KILLED (+ extra flags) into out (resuming it when it has a checkpoint), stopped before operation
+    `at`."""
     start = ["--resume", out] if os.path.exists(os.path.join(out, "ckpt.pt")) else ["--out", out]
-    return subprocess.run([sys.executable, "-c", INTERRUPT, at, how, out, os.path.join(HERE, "train.py"), *KILLED, *start],
+    return subprocess.run([sys.executable, "-c", INTERRUPT, at, how, out, os.path.join(HERE, "train.py"), *KILLED, *extra, *start],
                           capture_output=True, text=True, cwd=HERE, env=train_env(), timeout=600)
 
 
@@ -4096,6 +4097,25 @@ def assert_same_run(a, b):
     hf = load_file(os.path.join(b, "hf", "model.safetensors"))
     assert hf and all(torch.equal(hf[k], wb[k]) for k in hf)
     assert not LEFTOVERS & set(os.listdir(b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["1:os.rename step2.tmp", "2:os.rename ckpt.pt.tmp"])
+def test_keep_hf_killed_around_its_copy_resumes_to_whole_step_directories(tmp_path, at):
+    """--keep-hf killed after step 2's copy began (before it is renamed in, or before ckpt.pt commits step 2): the
+    resume repeats step 2 and ends with step1..step3 whole, step3 equal to hf/, no step*.tmp left."""
+    from safetensors.torch import load_file
+    out = str(tmp_path / "run")
+    r = interrupted(out, at, extra=["--keep-hf"])
+    assert r.returncode != 0 and "INTERRUPTED" in r.stderr, r.stderr[-2000:]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 0  # step 2 (index 1) not committed
+    r = interrupted(out, "0", extra=["--keep-hf"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sorted(d for d in os.listdir(out) if d.startswith("step")) == ["step1", "step2", "step3"]
+    w = {d: load_file(os.path.join(out, d, "model.safetensors")) for d in ("step2", "step3", "hf")}
+    assert all(torch.equal(w["step3"][k], w["hf"][k]) for k in w["hf"])
+    assert any(not torch.equal(w["step2"][k], w["step3"][k]) for k in w["hf"])
+    assert not LEFTOVERS & set(os.listdir(out))
 
 
 @pytest.mark.slow
