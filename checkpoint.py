@@ -158,10 +158,11 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
             os.rename(j("hf"), j("hf.old"))
         os.rename(j("hf.tmp"), j("hf"))
         if args.keep_hf:  # a copy named after the steps done, before the commit: a resume that repeats the step redoes it
-            for d in (j(f"step{step + 1}.tmp"), j(f"step{step + 1}")):
-                shutil.rmtree(d, ignore_errors=True)
-            shutil.copytree(j("hf"), j(f"step{step + 1}.tmp"))
-            os.rename(j(f"step{step + 1}.tmp"), j(f"step{step + 1}"))
+            keep = j(f"step{step + 1}")
+            shutil.rmtree(keep + ".tmp", ignore_errors=True)
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(j("hf"), keep + ".tmp")
+            os.rename(keep + ".tmp", keep)
         os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
         shutil.rmtree(j("hf.old"), ignore_errors=True)
     except OSError as e:
