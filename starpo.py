@@ -197,7 +197,8 @@ def filter_groups(values, group_size, value, kind="std", strategy="top_k", inclu
     the lower group index (stable sorts) where RAGEN's topk / sort leave them unspecified. The result may be
     empty (top_p, min_p, include_zero=False); train.py then skips the step. stats: python floats named as RAGEN
     logs them under rollout/: in_group_{std,max,mean} over all groups, chosen_in_group_{std,max,mean} over the
-    kept ones (0 when none)."""
+    kept ones (0 when none); and in_group_spread / chosen_in_group_spread, the fraction of all / kept groups whose
+    values differ at all (a group without spread has advantage 0 everywhere under GRPO)."""
     if values.numel() % group_size:
         raise ValueError(f"{values.numel()} scores do not split into groups of {group_size}")
     if kind not in ("std", "std_rev", "mean", "mean_rev"):
@@ -205,6 +206,7 @@ def filter_groups(values, group_size, value, kind="std", strategy="top_k", inclu
     x = values.float().view(-1, group_size)  # [num_groups, G]
     num_groups, largest = x.shape[0], not kind.endswith("_rev")
     per_group = dict(std=_group_std(x), max=x.max(-1).values, mean=x.mean(-1))  # each [num_groups]
+    per_group["spread"] = (per_group["std"] > 1e-10).float()  # [num_groups] 1 where the group's rewards differ
     s = per_group[kind.removesuffix("_rev")]  # [num_groups] the ranking statistic
     cand = torch.arange(num_groups, device=x.device)  # [C] candidate groups
     if not include_zero:

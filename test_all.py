@@ -1338,9 +1338,11 @@ def test_filter_groups_keeps_top_std_with_deterministic_ties():
     assert close(st["in_group_std"], (0 + r2 + 0 + r2 + 2 * r2) / 5) and close(st["chosen_in_group_std"], 1.5 * r2)
     assert close(st["in_group_mean"], 6 / 5) and close(st["chosen_in_group_mean"], 0.75)
     assert close(st["in_group_max"], 8 / 5) and close(st["chosen_in_group_max"], 1.5)
+    assert close(st["in_group_spread"], 3 / 5) and st["chosen_in_group_spread"] == 1.0  # groups with any reward spread
     assert all(isinstance(v, float) for v in st.values())
     keep, st = starpo.filter_groups(s, 2, 0.4, kind="std_rev")  # smallest std: g0 and g2 (tie, lower first)
     assert groups(keep) == [True, False, True, False, False] and st["chosen_in_group_std"] == 0
+    assert st["chosen_in_group_spread"] == 0.0
     keep, st = starpo.filter_groups(s, 2, 0.6, kind="std_rev")  # int(3.0) = 3: g0, g2, then g1 (beats g3)
     assert groups(keep) == [True, True, True, False, False]
     keep, st = starpo.filter_groups(s, 2, 1.0)  # ratio 1 keeps everything
