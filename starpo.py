@@ -39,6 +39,20 @@ def explained_variance(values, returns, mask):
 
 # ----------------------------------------------------------------------------- advantages
 
+def turn_advantages(adv, mask):
+    """The advantage each turn's tokens carry, for the log: a turn is a run of action tokens (mask 1) in a row. Returns
+    {turn<k>_mean, turn<k>_abs_mean, turn<k>_tokens} for every k some row reaches; a turn with mean |A| near 0 gets
+    no gradient (GRPO: its episodes' groups had no reward spread or were filtered out)."""
+    on = mask > 0                                                                   # [B, T]
+    starts = on & ~torch.nn.functional.pad(on[:, :-1], (1, 0))                      # [B, T] first token of each turn
+    turn = torch.cumsum(starts.long(), 1) * on                                      # [B, T] 1, 2, ... on action tokens
+    out = {}
+    for k in range(1, int(turn.max()) + 1 if on.any() else 1):
+        a = adv[turn == k].float()                                                  # [tokens of turn k]
+        out.update({f"turn{k}_mean": a.mean().item(), f"turn{k}_abs_mean": a.abs().mean().item(), f"turn{k}_tokens": a.numel()})
+    return out
+
+
 def _masked_gae(rewards, values, mask, gamma, lam, reset=None):
     """Reverse GAE that visits only mask==1 tokens: the 'next' value of an action token is the value
     of the next action token of the same row (skipping observations), 0 after the last one. Where

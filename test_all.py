@@ -1213,6 +1213,17 @@ def test_grpo_advantages():
         starpo.group_advantages(s, torch.arange(12), "remax")
 
 
+def test_turn_advantages_by_hand():
+    # two rows: turns are the runs of action tokens (mask 1) between prompt or observation tokens (mask 0)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0], [0, 0, 1, 0, 1, 1, 1]], dtype=torch.float)
+    adv = torch.tensor([[9.0, 2.0, 2.0, 9.0, 9.0, -1.0, 9.0], [9.0, 9.0, -3.0, 9.0, 0.5, 0.5, 0.5]]) * mask
+    m = starpo.turn_advantages(adv, mask)
+    assert set(m) == {"turn1_mean", "turn1_abs_mean", "turn1_tokens", "turn2_mean", "turn2_abs_mean", "turn2_tokens"}
+    assert close(m["turn1_mean"], (2 + 2 - 3) / 3) and close(m["turn1_abs_mean"], (2 + 2 + 3) / 3) and m["turn1_tokens"] == 3
+    assert close(m["turn2_mean"], (-1 + 1.5) / 4) and close(m["turn2_abs_mean"], (1 + 1.5) / 4) and m["turn2_tokens"] == 4
+    assert starpo.turn_advantages(adv, torch.zeros_like(mask)) == {}
+
+
 def slow_normalize(scores, ids, method):
     out = list(scores)
     if method == "identity" or len(set(ids)) == len(ids):
@@ -3091,6 +3102,7 @@ def test_two_step_run(tmp_path, flags):
     assert args["loss_agg"] == ("seq-mean-token-sum" if "drgrpo" in flags else "token-mean")
     windowed = args["context_window_mode"] != "full" or args["max_context_window"] > 0
     assert ("collapse/first_turn/mi" in ms[0]) == (not windowed)  # windowed rows are not whole episodes: no MI
+    assert ("adv/turn1_abs_mean" in ms[0]) == (not windowed and ms[0]["train/batch_size"] > 0)  # nor turn numbers
     assert os.path.exists(os.path.join(out, "ckpt.pt"))
     if flags[1] in NEW_PRESETS:
         assert args["max_actions_per_turn"] == {"Countdown": 1}.get(flags[1], 2)  # from the preset (TINY sets --max-turns)

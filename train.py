@@ -551,6 +551,8 @@ def advantages(args, batch, values, scores, groups, kept_ratio):
             adv = starpo.masked_whiten(adv, mask)
     if args.filter_loss_scaling != "none":  # RAGEN-2 filter_loss_scaling: damp the update by the kept group fraction
         adv = adv * (kept_ratio if args.filter_loss_scaling == "linear" else math.sqrt(kept_ratio))
+    if not windowed(args):  # a row is one whole episode, so its k-th run of action tokens is turn k
+        m.update({f"adv/{k}": v for k, v in starpo.turn_advantages(adv, mask).items()})
     return adv, returns, m
 
 
