@@ -139,22 +139,29 @@ def sync_rollout_weights(actor, rollout_model, ddp, lora=False, lora_base=None):
 
 def full_state(model, optimizer=None, lora=False):
     """Unsharded state dicts on CPU (collective under FSDP2; every rank calls it). lora: the adapters (+ the critic's
-    head) only, the frozen base comes from --model."""
+    head) only, the frozen base comes from --model. An optimizer that has never stepped (the actor in PPO's critic
+    warm-up) has no state to save: None, and it is left untouched. torch's get_optimizer_state_dict would create the
+    state by stepping it at lr 0 (_init_optim_state), in the file and in the live optimizer: AdamW at step 1 with zero
+    moments, so that the first real update takes step 2's bias correction and a run that saved differs from one that
+    did not."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
     msd = get_model_state_dict(model, options=o)
     if lora:  # a tied (frozen) lm_head.weight slips through ignore_frozen_params
         trainable = {n for n, q in model.named_parameters() if q.requires_grad}
         msd = {k: v for k, v in msd.items() if k in trainable}
-    return msd, (get_optimizer_state_dict(model, optimizer, options=o) if optimizer is not None else None)
+    stepped = optimizer is not None and bool(optimizer.state)  # the same on every rank: they step together
+    return msd, (get_optimizer_state_dict(model, optimizer, options=o) if stepped else None)
 
 
 def load_state(model, optimizer, msd, osd, lora=False):
-    """Fill model (and optimizer) from full_state's dicts, on every rank (sharded under FSDP2)."""
+    """Fill model (and optimizer) from full_state's dicts, on every rank (sharded under FSDP2). osd None: the
+    optimizer had never stepped and stays as it is (set_optimizer_state_dict would step it at lr 0, as full_state
+    says)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
     o = StateDictOptions(full_state_dict=True, strict=not lora)  # LoRA: the frozen base comes from --model
     set_model_state_dict(model, msd, options=o)
-    if optimizer is not None:
+    if optimizer is not None and osd is not None:
         set_optimizer_state_dict(model, optimizer, osd, options=o)
         for st in optimizer.state.values():  # own copies, not views of the memory-mapped ckpt.pt
             st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v)})

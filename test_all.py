@@ -3757,6 +3757,33 @@ def test_a_rate_over_no_turn_is_not_available(tmp_path, capsys):
     assert steps == [0, 2] and math.isnan(rates[0]) and rates[1] == 0.75
 
 
+WARMUP = [*TINY, "--env", "Bandit", "--algo", "ppo", "--critic-warmup", "2", "--lr", "1e-3", "--val-every", "0",
+          "--collapse-every", "0", "--log-trajectories-every", "0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_a_checkpoint_in_the_critic_warmup_changes_nothing(tmp_path, ranks):
+    """A save while the actor's AdamW has never stepped (PPO's critic warm-up) leaves it never stepped, in the file
+    and in the live optimiser: the same run with and without checkpoints ends with the same weights, bit for bit, and
+    a resume from a warm-up checkpoint equals the uninterrupted run. (torch's get_optimizer_state_dict creates a
+    missing state by a step at lr 0: AdamW at step 1 with zero moments, and the first real update would take step
+    2's bias correction.)"""
+    saved, plain, resumed = (str(tmp_path / n) for n in ("saved", "plain", "resumed"))
+    run_train(*WARMUP, "--steps", "3", "--save-every", "1", "--out", saved, torchrun=ranks)
+    run_train(*WARMUP, "--steps", "3", "--out", plain, torchrun=ranks)
+    run_train(*WARMUP, "--steps", "2", "--save-every", "1", "--out", resumed, torchrun=ranks)  # both steps in the warm-up
+    warm = torch.load(os.path.join(resumed, "ckpt.pt"), weights_only=False)
+    assert warm["step"] == 1 and not (warm["actor_opt"] or {}).get("state"), "a never-stepped AdamW saved with state"
+    run_train(*WARMUP, "--steps", "3", "--resume", resumed, torchrun=ranks)
+    w = {d: torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (saved, plain, resumed)}
+    for d in (saved, resumed):
+        assert all(torch.equal(w[d]["actor"][k], w[plain]["actor"][k]) for k in w[plain]["actor"]), d
+        assert all(torch.equal(w[d]["critic"][k], w[plain]["critic"][k]) for k in w[plain]["critic"]), d
+        steps = {float(s["step"]) for s in w[d]["actor_opt"]["state"].values()}
+        assert steps == {1.0}, (d, steps)  # one real actor update (the third step), none before it
+
+
 def test_a_checkpoint_takes_what_it_saves(tmp_path):
     # save_checkpoint and load_checkpoint take the models, optimisers, tokenizer and rank themselves (no train.State):
     # fresh copies get the weights and AdamW state back, hf/ loads as the actor
