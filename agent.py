@@ -96,23 +96,31 @@ def agent_settings(preset_key, a):
                 share_prefixes=not a["no_prefix_sharing"], stop_at_answer=not a["no_stop_at_answer"])
 
 
+def board(preset_key, observation):
+    """The situation an observation shows, as text: the env file's board(text) where it has one (FrozenLake's Coord
+    presets drop their Start line, which no move depends on), else the observation itself. Two observations with the
+    same board ask for the same play, so a judge seed is unseen only if no training episode showed its board."""
+    module = ENV_CLASSES[preset_key][2]
+    return module.board(observation) if hasattr(module, "board") else observation
+
+
 def seen_boards(preset_key, seeds):
-    """The boards episodes of preset_key from `seeds` start on: the set of their first observations, reset(seed)'s
-    text with the env's defaults (small grids repeat across seeds, so two seeds may show one board)."""
+    """The boards episodes of preset_key from `seeds` start on: the set of board() of their first observations,
+    reset(seed)'s text with the env's defaults (small grids repeat across seeds, so two seeds may show one board)."""
     cls, preset, _ = ENV_CLASSES[preset_key]
     env = cls(**preset["kwargs"])
-    return {env.reset(s) for s in seeds}
+    return {board(preset_key, env.reset(s)) for s in seeds}
 
 
 def unseen_seeds(preset_key, seeds, seen, n=None):
-    """The seeds of `seeds`, in order, whose first observation (as seen_boards) is not in `seen`; with n, the first n
-    of them (fewer if `seeds` runs out)."""
+    """The seeds of `seeds`, in order, whose first board (as seen_boards) is not in `seen`; with n, the first n of
+    them (fewer if `seeds` runs out)."""
     cls, preset, _ = ENV_CLASSES[preset_key]
     env, kept = cls(**preset["kwargs"]), []
     for s in seeds:
         if n is not None and len(kept) == n:
             break
-        if env.reset(s) not in seen:
+        if board(preset_key, env.reset(s)) not in seen:
             kept.append(s)
     return kept
 

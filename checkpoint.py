@@ -1,4 +1,4 @@
-"""train.py's run directory: args.json, metrics.jsonl, ckpt.pt (what --resume continues) and hf/ (the trained model
+"""train.py's run directory: args.json, metrics.jsonl, observations.jsonl, ckpt.pt (what --resume continues) and hf/ (the trained model
 as a plain HF directory), written so that a run killed at any instant resumes from its last checkpoint.
 
 Files are replaced by rename. A checkpoint writes hf.tmp and ckpt.pt.tmp, renames hf -> hf.old, hf.tmp -> hf, then
@@ -104,12 +104,13 @@ def start_run_dir(args, world, start_step, resumed):
     write_atomically(os.path.join(args.out, "args.json"), json.dumps(dict(
         vars(args), git_commit=git_commit(), world_size=world, torch=torch.__version__,
         transformers=transformers.__version__, python=platform.python_version(), cuda=torch.version.cuda), indent=1))
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if resumed and os.path.exists(metrics_path):  # drop the lines a killed run wrote after its checkpoint,
-        lines = open(metrics_path).read().split("\n")[:-1]  # and a partial last line (a kill while appending)
-        write_atomically(metrics_path, "".join(l + "\n" for l in lines if json.loads(l)["step"] < start_step))
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    for name in ("metrics.jsonl", "observations.jsonl"):  # the step-by-step logs
+        path = os.path.join(args.out, name)
+        if resumed and os.path.exists(path):  # drop the lines a killed run wrote after its checkpoint,
+            lines = open(path).read().split("\n")[:-1]  # and a partial last line (a kill while appending)
+            write_atomically(path, "".join(l + "\n" for l in lines if json.loads(l)["step"] < start_step))
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 def lora_export(model_name, lora_config, adapter_sd, adapter_dir=None):

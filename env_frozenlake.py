@@ -207,6 +207,13 @@ def random_actions(env, k, rng):
     return [rng.choice(env.actions()) for _ in range(k)]
 
 
+def board(observation):
+    """What an observation shows that play depends on (eval.py --unseen compares these): the text without the Coord
+    presets' "Start:" line. Where an episode began changes no move, so a lake with the player on a cell is one
+    situation whatever cell the player started from."""
+    return "\n".join(line for line in observation.split("\n") if not line.startswith("Start:"))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Play FrozenLake, or print statistics over many seeds")
     parser.add_argument("--preset", default="FrozenLake", choices=list(PRESETS), help="RAGEN tag")

@@ -132,20 +132,47 @@ def paired(a, b):
                 paired_se=se, diff_in_se=diff / se if se > 0 else None, a_alone=d.count(-1), b_alone=d.count(1))
 
 
+def student_t_p(t, dof):
+    """Two-sided p of Student's t statistic t with an integer dof >= 1: P(|T| >= |t|), from the closed forms of the
+    t distribution's CDF for integer degrees of freedom (Abramowitz and Stegun 26.7.3 / 26.7.4), with
+    theta = atan(|t| / sqrt(dof)): P(|T| < |t|) = sin(theta) * sum_k c_k cos(theta)^(2k) for even dof, and
+    (2 / pi) * (theta + sin(theta) * cos(theta) * sum_k c_k cos(theta)^(2k)) for odd dof (theta alone for dof 1)."""
+    if dof < 1 or dof != int(dof):
+        raise ValueError(f"Student's t needs an integer dof >= 1, got {dof}")
+    theta = math.atan(abs(t) / math.sqrt(dof))
+    c, term, total = math.cos(theta) ** 2, 1.0, 0.0
+    if dof % 2 == 0:  # 1 + (1/2) c + (1*3)/(2*4) c^2 + ... up to c^((dof-2)/2)
+        for k in range(dof // 2):
+            total += term
+            term *= c * (2 * k + 1) / (2 * k + 2)
+        inside = math.sin(theta) * total
+    else:  # 1 + (2/3) c + (2*4)/(3*5) c^2 + ... up to c^((dof-3)/2), times sin cos
+        for k in range((dof - 1) // 2):
+            total += term
+            term *= c * (2 * k + 2) / (2 * k + 3)
+        inside = 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    return max(0.0, 1.0 - inside)
+
+
 def paired_runs(a, bs):
     """Several runs of one arm (e.g. RL seeds), each evaluation in bs, against evaluation a on the same episodes: the
     mean over runs of their success differences, its standard error over runs (std / sqrt(runs), the seed-to-seed
-    spread), and the paired standard error of the runs' mean success per episode against a (the judge-board spread)."""
+    spread) with Student's t test of "no difference" over the runs (t, dof = runs - 1, two-sided p): the test of
+    the arm, as each seed is one draw of the training; and the paired standard error of the runs' mean success per
+    episode against a (the judge-board spread), which treats the trained models as fixed and so says how well the
+    judge set measures these runs, not whether another seed would do the same."""
     rows = [paired(a, b) for b in bs]
     k, diffs = len(rows), [r["diff"] for r in rows]
     mean = sum(diffs) / k
     se_runs = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (k - 1) / k) if k > 1 else None
+    t = mean / se_runs if se_runs else None
     wa, wbs = wins(a), [wins(b) for b in bs]
     d = [sum(wb[e] for wb in wbs) / k - wa[e] for e in sorted(wa)]  # per episode: the runs' mean success minus a's
     n = len(d)
     se_episodes = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
     return dict(runs=k, success_a=rows[0]["success_a"], mean_success_b=sum(r["success_b"] for r in rows) / k,
-                mean_diff=mean, se_over_runs=se_runs, paired_se_of_mean=se_episodes)
+                mean_diff=mean, se_over_runs=se_runs, t=t, dof=k - 1, p=None if t is None else student_t_p(t, k - 1),
+                paired_se_of_mean=se_episodes)
 
 
 def compare(dir_a, *dirs_b):
@@ -173,7 +200,9 @@ def compare(dir_a, *dirs_b):
         rows = {key: paired(a[key], b[key]) for key in shared}
         print_table(rows)
     if len(dirs_b) > 1:
-        print(f"A = {dir_a}, B = the mean of {len(dirs_b)} runs")
+        print(f"A = {dir_a}, B = the mean of {len(dirs_b)} runs: t = mean_diff / se_over_runs, Student's t with dof = "
+              f"runs - 1, two-sided p (the test over seeds); paired_se_of_mean treats the {len(dirs_b)} trained models "
+              "as fixed (the judge boards' spread only)")
         rows = {key: paired_runs(a[key], [b[key] for b in bs]) for key in shared}
         print_table(rows)
     return rows
@@ -190,12 +219,15 @@ def print_table(rows):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def played_seeds(source):
-    """The seeds a training source played, {preset: [seeds]}, for --unseen. A train.py run directory (args.json):
+def training_shown(source):
+    """What a training source showed its model, for --unseen: {preset: (the seeds its episodes started from, the set
+    of observations they showed at any turn, or None where not recorded)}. A train.py run directory (args.json):
     step s played group g of its --env mix from seed + s*num_groups + g, each preset its groups in --env order, for
-    every step with training metrics in metrics.jsonl (the final validation's line has none). An sft.py run
-    directory (sft.json): seeds seed..seed+episodes-1 of each preset (its held-out demonstrations are not trained
-    on). A seed range 'A-B' (A to B inclusive) or one seed 'A': under the key None, seeds of the judged preset."""
+    every step with training metrics in metrics.jsonl (the final validation's line has none); the observations of
+    those steps from its observations.jsonl. An sft.py run directory (sft.json): seeds seed..seed+episodes-1 of each
+    preset (its held-out demonstrations are not trained on), the observations by replaying them
+    (sft.demonstration_observations). A seed range 'A-B' (A to B inclusive) or one seed 'A': under the key None,
+    seeds of the judged preset, first boards only."""
     if os.path.exists(os.path.join(source, "args.json")):
         a = json.load(open(os.path.join(source, "args.json")))
         path, steps = os.path.join(source, "metrics.jsonl"), []
@@ -206,17 +238,27 @@ def played_seeds(source):
                 continue
             if any(k.startswith("train/") for k in m):
                 steps.append(m["step"])
+        obs_path, shown = os.path.join(source, "observations.jsonl"), {}
+        for line in open(obs_path) if os.path.exists(obs_path) else []:
+            try:
+                o = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if o["step"] in steps:
+                shown.setdefault(o["preset"], set()).update(o["observations"])
         played, first = {}, 0  # first: the preset's first group within a step
         for key, n in a["env_mix"]:
-            played[key] = [a["seed"] + s * a["num_groups"] + first + g for s in sorted(set(steps)) for g in range(n)]
+            seeds = [a["seed"] + s * a["num_groups"] + first + g for s in sorted(set(steps)) for g in range(n)]
+            played[key] = (seeds, shown.get(key, set()) if os.path.exists(obs_path) else None)
             first += n
         return played
     if os.path.exists(os.path.join(source, "sft.json")):
-        a = json.load(open(os.path.join(source, "sft.json")))
-        return {key: list(range(a["seed"], a["seed"] + a["episodes"])) for key in a["presets"]}
+        import sft
+        a, shown = json.load(open(os.path.join(source, "sft.json"))), sft.demonstration_observations(source)
+        return {key: (list(range(a["seed"], a["seed"] + a["episodes"])), shown[key]) for key in a["presets"]}
     lo, _, hi = source.partition("-")
     if lo.isdigit() and (hi.isdigit() or not hi) and int(lo) <= int(hi or lo):
-        return {None: list(range(int(lo), int(hi or lo) + 1))}
+        return {None: (list(range(int(lo), int(hi or lo) + 1)), None)}
     raise ValueError(f"--unseen {source}: not a train.py run directory (args.json), an sft.py one (sft.json) or a "
                      "seed range A-B")
 
@@ -258,8 +300,8 @@ def resolve(args):
 
 def evaluate(model, tok, args, presets, played=()):
     """Play --num-seeds seeds x --samples episodes of each preset; write <out>/<preset>.jsonl and summary.json, print
-    the table. Returns its rows. played: played_seeds() of each --unseen source; a seed whose first observation one of
-    them showed is dropped (a preset left with none is not played)."""
+    the table. Returns its rows. played: training_shown() of each --unseen source; a seed whose first observation one
+    of them showed, at any turn, is dropped (a preset left with none is not played)."""
     rows = {}
     for key in presets:
         cls, preset, _ = agent.ENV_CLASSES[key]
@@ -268,10 +310,15 @@ def evaluate(model, tok, args, presets, played=()):
         split = args.split if "split" in inspect.signature(cls.reset).parameters else None  # WebShop's goal splits
         judge = [args.val_seed + g for g in range(args.num_seeds)]
         if played:  # each source's seeds reset in its own preset (None: this one), boards compared as text
-            seen = set().union(*(agent.seen_boards(k or key, s) for p in played for k, s in p.items()))
-            judge = agent.unseen_seeds(key, judge, seen)
-            print(f"{key}: --unseen drops {args.num_seeds - len(judge)} of {args.num_seeds} seeds (boards the training "
-                  f"sources showed), {len(judge)} remain")
+            first = set().union(*(agent.seen_boards(k or key, s) for p in played for k, (s, _) in p.items()))
+            later = {agent.board(key, o) for p in played for k, (_, shown) in p.items() if k == key and shown for o in shown}
+            n_first = len(judge) - len(agent.unseen_seeds(key, judge, first))
+            judge = agent.unseen_seeds(key, judge, first | later)
+            unrecorded = [k for p in played for k, (s, o) in p.items() if o is None and k is not None]
+            print(f"{key}: --unseen drops {args.num_seeds - len(judge)} of {args.num_seeds} seeds: {n_first} whose board "
+                  f"a training episode started on, {args.num_seeds - len(judge) - n_first} more whose board one showed at "
+                  f"a later turn; {len(judge)} remain" + (f" (no observations.jsonl for {', '.join(unrecorded)}: first "
+                                                           "boards only there)" if unrecorded else ""))
             if not judge:
                 continue
         records, t0, envs = [], time.time(), []
@@ -393,15 +440,17 @@ def build_parser():
                    "rates drawn as horizontal lines, e.g. random=0.19 warm-up=0.15")
     p.add_argument("--paired", nargs="+", default=None, metavar="EVAL", help="EVAL_A EVAL_B [EVAL_B ...]: compare eval.py "
                    "outputs of the same seeds and sampler seed: success difference B - A, its paired standard error, wins "
-                   "alone; several Bs (one arm's seeds): also their mean difference, its SE over runs and paired SE")
+                   "alone; several Bs (one arm's seeds): also their mean difference, its SE over runs, Student's t, its "
+                   "dof and two-sided p (the test over seeds), and the paired SE of the mean")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
     p.add_argument("--val-seed", type=int, default=None, help="first seed (RAGEN seed.val = 123)")
     p.add_argument("--samples", type=int, default=1, help="episodes per seed, for pass@k")
     p.add_argument("--unseen", nargs="+", default=None, metavar="RUN_DIR_OR_SEEDS", help="drop the seeds whose first "
-                   "observation (the board) one of these showed: train.py or sft.py run directories (the seeds they "
-                   "trained on; name an SFT warm start too) or seed ranges A-B of the judged presets")
+                   "observation (the board) one of these showed at any turn: train.py run directories (their "
+                   "observations.jsonl), sft.py ones (their demonstrations replayed; name an SFT warm start too) or "
+                   "seed ranges A-B of the judged presets (their first boards)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     p.add_argument("--agreement", action="store_true", help="also the fraction of turns whose first action is the env "
                    "solver's move at that state (the episode replayed from its seed)")
@@ -430,7 +479,7 @@ def main(argv=None):
         if args.model is None:
             raise ValueError("give --model (or --plot RUN_DIR)")
         model_path, presets = resolve(args)
-        played = [played_seeds(source) for source in args.unseen or []]
+        played = [training_shown(source) for source in args.unseen or []]
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no GPU")
         device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")

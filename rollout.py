@@ -362,7 +362,8 @@ def rollout_output(eps, samples, tok, group_size):
                 scores=torch.tensor([sum(e["turn_rewards"]) for e in eps], dtype=torch.float) + penalty,
                 success=torch.tensor([e["success"] for e in eps]), group=torch.arange(B) // group_size,
                 episode=torch.tensor([r[0] for r in rows], dtype=torch.long),
-                text=[tok.decode(e["ids"]) for e in eps], stats=stats, responses=[e["responses"] for e in eps])
+                text=[tok.decode(e["ids"]) for e in eps], stats=stats, responses=[e["responses"] for e in eps],
+                states=[e["states"] for e in eps])  # per episode: the observation (env.render()) each turn showed
 
 
 def check_rollout_args(seeds, B, group_size, temperature, max_new_tokens, window, window_mode):

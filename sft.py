@@ -80,9 +80,10 @@ def demo_responder(policy, epsilon, seeds, settings, seed, module):
     return respond
 
 
-def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, seed):
+def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, seed, states=None):
     """Play the demonstrations of one preset through rollout(). Returns (rows, successes): one row per episode in
-    rollout.pack_rows' layout (episode, token ids, answer flags, log-probs 0), and how many the env scored a success."""
+    rollout.pack_rows' layout (episode, token ids, answer flags, log-probs 0), and how many the env scored a success.
+    states, a list, if given: each episode's observations (one per turn) are appended to it."""
     cls, _, module = agent.ENV_CLASSES[preset_key]
     rows, wins = [], 0
     for i in range(0, len(seeds), CHUNK):
@@ -91,11 +92,29 @@ def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, see
         respond = demo_responder(policy, epsilon, chunk, settings, seed, module)
         out = rollout_py.rollout(model, tok, envs, chunk, group_size=1, respond=respond, sampler=sampler.Sampler(),
                                  **settings)
+        if states is not None:
+            states += out["states"]
         for r in range(len(chunk)):
             n = int(out["attention_mask"][r].sum())
             rows.append((i + r, out["tokens"][r, :n].tolist(), out["loss_mask"][r, :n].tolist(), [0.0] * n))
         wins += int(out["success"].sum())
     return rows, wins
+
+
+def demonstration_observations(run_dir):
+    """{preset: the set of observations the training demonstrations of the sft.py run in run_dir showed, at any turn},
+    replayed from its sft.json: the same policy, seeds and agent loop, so the same episodes (its held-out
+    demonstrations are not trained on and are left out). eval.py --unseen drops the judge seeds whose first board is
+    one of them. The run's tokenizer and generation settings lay the turns out, as when it trained."""
+    a = json.load(open(os.path.join(run_dir, "sft.json")))
+    model, tok = models.load_model(run_dir)
+    seen = {}
+    for key in a["presets"]:
+        states = []
+        demonstrations(model, tok, key, a["policy"], a["epsilon"], list(range(a["seed"], a["seed"] + a["episodes"])),
+                       agent.agent_settings(key, dict(a, sample_seed=0)), a["seed"], states)
+        seen[key] = {s for episode in states for s in episode}
+    return seen
 
 
 def heldout_seeds(preset_key, first, n, train_seeds):
@@ -199,6 +218,7 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     gen = torch.Generator().manual_seed(args.seed)  # the same order on every rank
     order, start, seconds, loss, recent = [], 0, 0.0, float("nan"), []  # recent: step losses since the last line
+    work = 0  # tokens of the demonstrations trained on so far, over all ranks: each has a forward and a backward
     metrics_path, ckpt_path = os.path.join(out_dir, "sft_metrics.jsonl"), os.path.join(out_dir, "ckpt.pt")
     lines = []
     if ckpt is not None:
@@ -209,6 +229,7 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
         opt.load_state_dict(ckpt["optimizer"])
         gen.set_state(ckpt["generator"])
         order, start, seconds, loss, recent = ckpt["order"], ckpt["step"], ckpt["seconds"], ckpt["loss"], ckpt["recent"]
+        work = ckpt.get("work", 0)  # (a checkpoint written before this count: from 0)
         if rank == 0 and os.path.exists(metrics_path):  # the lines written after the checkpoint are written again
             for text in open(metrics_path):
                 try:
@@ -223,8 +244,11 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
 
     def log(step):  # the held-out loss and a metrics line (train loss: the mean over the steps since the last line)
         h = heldout_loss(model, pad, heldout, micro, rank, world, ddp, args.compute_dtype) if heldout else None
+        # forward / backward tokens: the work train.py's work/* metrics count (every trained token once per pass, as
+        # if no prefix were shared; compute_tokens = forward + 2 x backward), for controls matched in compute
         lines.append(dict(step=step, train_loss=sum(recent) / len(recent) if recent else None, heldout_loss=h,
-                          demos_seen=step * args.batch_size, seconds=round(time.perf_counter() - t0, 1)))
+                          demos_seen=step * args.batch_size, seconds=round(time.perf_counter() - t0, 1),
+                          forward_tokens=work, backward_tokens=work, compute_tokens=3 * work))
         recent.clear()
         if rank == 0:
             write_metrics(metrics_path, lines)
@@ -239,6 +263,7 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
             order += torch.randperm(len(rows), generator=gen).tolist()
         batch, order = order[:args.batch_size], order[args.batch_size:]
         mine = [rows[i] for i in batch[rank::world]]
+        work += sum(len(rows[i][1]) for i in batch)  # every rank's rows (the batch is known on every rank)
         n = torch.tensor(float(sum(sum(flags[1:]) for _, _, flags, _ in mine)), device=device)  # this rank's loss tokens
         if ddp:  # the mean is over every rank's
             dist.all_reduce(n)
@@ -265,7 +290,7 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
             try:
                 export(model, tok, os.path.join(out_dir, f"step{done}"), args.lora_rank)  # first: ckpt.pt says it is whole
                 save_checkpoint(ckpt_path, model, opt, gen, done, order, dict(
-                    args=vars(args), seconds=time.perf_counter() - t0, loss=loss, recent=list(recent)))
+                    args=vars(args), seconds=time.perf_counter() - t0, loss=loss, recent=list(recent), work=work))
             except OSError as e:  # a full disk: ckpt.pt is the last one written whole
                 raise OSError(f"checkpoint of step {done} failed, {out_dir} still holds the previous one: {e}") from None
     return loss

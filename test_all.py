@@ -3113,6 +3113,29 @@ def test_two_step_run(tmp_path, flags):
 
 # ------------------------------------------------------------------ what a step logs and how it runs
 @pytest.mark.slow
+@pytest.mark.slow
+def test_work_and_observations_are_logged_every_step(tmp_path):
+    """work/*: the tokens each pass runs through a model. GRPO with 2 epochs over one mini-batch: the actor's forward
+    and backward twice over the kept rows (its old log-probs come from the first forward), so forward - rollout =
+    backward; PPO, 1 epoch: values, actor and critic forwards, actor and critic backwards, forward - rollout = 1.5 x
+    backward. The rollout's share is the tokens the sampler prefilled and sampled. observations.jsonl: one line per
+    step and preset with every observation the step's training episodes showed."""
+    flags = [*TINY, "--env", "frozenlake", "--steps", "2", "--lr", "1e-3", "--val-every", "0", "--collapse-every", "0"]
+    for algo, extra, ratio in (("grpo", ["--ppo-epochs", "2"], 1.0), ("ppo", [], 1.5)):
+        out = str(tmp_path / algo)
+        run_train(*flags, "--algo", algo, *extra, "--out", out)
+        ms, total = read_metrics(out), 0.0
+        for m in ms:
+            rollout_tokens = 4 * (m["train/FrozenLake/prefill_tokens"] + m["train/FrozenLake/response_tokens"])
+            assert m["work/forward_tokens"] - rollout_tokens == pytest.approx(ratio * m["work/backward_tokens"]), algo
+            total += m["work/forward_tokens"] + 2 * m["work/backward_tokens"]
+            assert m["work/compute_tokens_total"] == pytest.approx(total)
+        obs = [json.loads(l) for l in open(os.path.join(out, "observations.jsonl"))]
+        assert [(o["step"], o["preset"]) for o in obs] == [(0, "FrozenLake"), (1, "FrozenLake")]
+        first = [FrozenLakeEnv(**FROZENLAKE_PRESETS["FrozenLake"]["kwargs"]).reset(s) for s in (10000, 10001)]
+        assert set(first) <= set(obs[0]["observations"]) and obs[0]["observations"] == sorted(set(obs[0]["observations"]))
+
+
 def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
     # logged losses are means over the mini-batch, not over micro-batch partial sums (4x less at 1 than at 4)
     flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
@@ -4352,6 +4375,32 @@ def test_eval_tiny_each_env_writes_jsonl_and_table(tmp_path):
         assert row["turns"] == pytest.approx(sum(x["stats"]["num_turns"] for x in recs) / 4)
 
 
+# Two-sided critical values of Student's t as printed in the standard tables (e.g. Fisher and Yates, Table III): at
+# these t the two-sided p is the column's alpha, to the tables' three decimals
+T_TABLE = {1: {0.10: 6.314, 0.05: 12.706, 0.01: 63.657}, 2: {0.10: 2.920, 0.05: 4.303, 0.01: 9.925},
+           3: {0.05: 3.182, 0.01: 5.841}, 4: {0.05: 2.776, 0.01: 4.604}, 5: {0.05: 2.571, 0.01: 4.032},
+           6: {0.05: 2.447}, 8: {0.05: 2.306}, 9: {0.05: 2.262}, 10: {0.05: 2.228, 0.01: 3.169}}
+
+
+def test_student_t_p_against_a_printed_table_and_the_density():
+    for dof, row in T_TABLE.items():
+        for alpha, t in row.items():
+            assert ev.student_t_p(t, dof) == pytest.approx(alpha, abs=5e-5 + alpha * 1e-3), (dof, alpha)
+            assert ev.student_t_p(-t, dof) == ev.student_t_p(t, dof)
+    # against the density integrated numerically (midpoint rule): p = 1 - 2 * integral_0^t f(x) dx
+    def density(x, n):
+        return math.gamma((n + 1) / 2) / (math.sqrt(n * math.pi) * math.gamma(n / 2)) * (1 + x * x / n) ** (-(n + 1) / 2)
+    for n in (1, 2, 3, 4, 7):
+        for t in (0.5, 1.7, 3.3):
+            steps = 20000
+            area = sum(density((i + 0.5) * t / steps, n) for i in range(steps)) * t / steps
+            assert ev.student_t_p(t, n) == pytest.approx(1 - 2 * area, abs=1e-7), (n, t)
+    assert ev.student_t_p(0.0, 3) == 1.0
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError):
+            ev.student_t_p(1.0, bad)
+
+
 def test_paired_comparison_by_hand(tmp_path, capsys):
     # 5 episodes, A wins 1 0 1 0 1, B wins 1 1 1 1 0: d = 0 1 0 1 -1, mean 0.2, sample variance (2*0.04 + 2*0.64 +
     # 1.44) / 4 = 0.7, paired SE sqrt(0.7 / 5) = 0.3742, 0.2 / 0.3742 = 0.535 SE; B alone wins 2, A alone 1
@@ -4389,7 +4438,9 @@ def test_paired_comparison_by_hand(tmp_path, capsys):
     ev.main(["--paired", str(tmp_path / "A"), str(tmp_path / "B"), str(tmp_path / "D")])
     out = capsys.readouterr().out
     assert "| Toy | 5 | 0.600 | 0.600 | 0.000 | 0.316 | 0.000 | 1 | 1 |" in out  # D alone: d var 2 / 4, SE sqrt(0.1)
-    assert "B = the mean of 2 runs" in out and "| Toy | 2 | 0.600 | 0.700 | 0.100 | 0.100 | 0.292 |" in out
+    # t = 0.1 / 0.1 = 1 with 1 dof: p = 1 - 2 atan(1) / pi = 0.5
+    assert row["t"] == pytest.approx(1.0) and row["dof"] == 1 and row["p"] == pytest.approx(0.5)
+    assert "B = the mean of 2 runs" in out and "| Toy | 2 | 0.600 | 0.700 | 0.100 | 0.100 | 1.000 | 1 | 0.500 | 0.292 |" in out
     with pytest.raises(SystemExit):
         ev.main(["--paired", str(tmp_path / "A")])
     assert "at least one EVAL_B" in capsys.readouterr().err
@@ -4397,41 +4448,65 @@ def test_paired_comparison_by_hand(tmp_path, capsys):
 
 def test_unseen_keeps_exactly_the_judge_seeds_with_unseen_boards(tmp_path, capsys):
     # CoordFrozenLakeDet's 4x4 lakes repeat across seeds. Found by resetting both ranges: of judge seeds 123..172 only
-    # 125, 136 and 160 show a lake that training seeds 10400..10699 show (125 = 10488 = 10614, 136 = 10420 = 10554,
-    # 160 = 10543)
+    # 125, 136 and 160 start on a lake that training seeds 10400..10699 start on (125 = 10488 = 10614, 136 = 10420 =
+    # 10554, 160 = 10543)
+    import sft
     key = "CoordFrozenLakeDet"
     env = FrozenLakeEnv(**FROZENLAKE_PRESETS[key]["kwargs"])
     for a, b in ((125, 10488), (125, 10614), (136, 10420), (136, 10554), (160, 10543)):
         assert env.reset(a) == env.reset(b), (a, b)
     want = [s for s in range(123, 173) if s not in (125, 136, 160)]
     assert agent.unseen_seeds(key, range(123, 173), agent.seen_boards(key, range(10400, 10700))) == want
-    # the seeds training sources played. A train.py run: step s played group g of its --env mix from
-    # seed + s*num_groups + g, each preset its groups in --env order, for the steps with training metrics (the line of
-    # step 2 is the final validation's). An sft.py run: seed..seed+episodes-1 of each preset. A range: A-B inclusive
+    # at a later turn: the mix demonstration of seed 10538 (policy seed 10400, as sft.py --seed 10400 plays it) shows
+    # at its second turn judge seed 171's lake with the player on 171's start cell; its Start line names another cell,
+    # which no move depends on (env_frozenlake.board), so 171 is a board that training showed. Found by replaying
+    # the 300 demonstrations of 10400..10699; no other judge seed of 123..172 is shown at a later turn
+    model, tok = models.load_model("tiny")
+    a = dict(presets=[key], policy="mix", epsilon=0.5, seed=10400, episodes=300, no_think=True, max_turns=3,
+             max_actions_per_turn=2, max_new_tokens=64)
+    states = []
+    sft.demonstrations(model, tok, key, "mix", 0.5, [10538], agent.agent_settings(key, dict(a, sample_seed=0)), 10400, states)
+    assert states[0][1] != env.reset(171) and agent.board(key, states[0][1]) == agent.board(key, env.reset(171))
+    assert "Start: (" in states[0][1] and "Start:" not in agent.board(key, states[0][1])
+    # what training sources showed. A train.py run: step s played group g of its --env mix from seed + s*num_groups + g,
+    # each preset its groups in --env order, for the steps with training metrics (the line of step 2 is the final
+    # validation's), and the observations its observations.jsonl lists for those steps (here by hand: judge seed 150's
+    # lake and player under another Start). An sft.py run: seed..seed+episodes-1 of each preset and the observations
+    # of its demonstrations, replayed. A range: A-B inclusive, first boards only
     run, demos = tmp_path / "run", tmp_path / "sft"
     run.mkdir()
-    demos.mkdir()
+    model.save_pretrained(demos)
+    tok.save_pretrained(demos)
+    (demos / "sft.json").write_text(json.dumps(dict(a, heldout=64, heldout_seed=5000)))
     (run / "args.json").write_text(json.dumps(dict(seed=10400, num_groups=150, env_mix=[[key, 100], ["SimpleSokoban", 50]])))
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (
         {"step": 0, f"train/{key}/success": 0.1}, {"step": 1, f"train/{key}/success": 0.2},
         {"step": 2, f"val-env/{key}/success": 0.3})))
-    (demos / "sft.json").write_text(json.dumps(dict(presets=[key], seed=10400, episodes=300, heldout=64, heldout_seed=5000)))
-    assert ev.played_seeds(str(run)) == {key: [*range(10400, 10500), *range(10550, 10650)],
-                                          "SimpleSokoban": [*range(10500, 10550), *range(10650, 10700)]}
-    assert ev.played_seeds(str(demos)) == {key: list(range(10400, 10700))}
-    assert ev.played_seeds("10400-10699") == {None: list(range(10400, 10700))} and ev.played_seeds("7") == {None: [7]}
+    other_start = env.reset(150).replace("Start: ", "Start: (9, 9) was ", 1)
+    (run / "observations.jsonl").write_text("".join(json.dumps(o) + "\n" for o in (
+        dict(step=0, preset=key, observations=[other_start]), dict(step=2, preset=key, observations=[env.reset(140)]))))
+    shown = ev.training_shown(str(run))
+    assert shown == {key: ([*range(10400, 10500), *range(10550, 10650)], {other_start}),
+                     "SimpleSokoban": ([*range(10500, 10550), *range(10650, 10700)], set())}
+    replayed = ev.training_shown(str(demos))
+    assert replayed[key][0] == list(range(10400, 10700)) and env.reset(10538) in replayed[key][1]
+    assert states[0][1] in replayed[key][1] and len(replayed[key][1]) > 300  # later turns add observations
+    assert ev.training_shown("10400-10699") == {None: (list(range(10400, 10700)), None)}
+    assert ev.training_shown("7") == {None: ([7], None)}
     for bad in ("10699-10400", "x-y", str(tmp_path / "nothing")):
         with pytest.raises(ValueError):
-            ev.played_seeds(bad)
+            ev.training_shown(bad)
     # the train.py run played 10420, 10488, 10554 and 10614 as lakes, but 10543 as a Sokoban room: 160 stays
-    seen = set().union(*(agent.seen_boards(k, s) for k, s in ev.played_seeds(str(run)).items()))
+    seen = set().union(*(agent.seen_boards(k, s) for k, (s, _) in shown.items()))
     assert agent.unseen_seeds(key, range(123, 173), seen) == sorted(want + [160])
-    # eval.py --unseen: the judge plays the remaining seeds and says how many it dropped
+    # eval.py --unseen: the judge plays the remaining seeds and says how many it dropped, and why
     ev.main(["--device", "cpu", "--model", "tiny", "--env", key, "--val-seed", "123", "--num-seeds", "50", "--no-think",
-             "--max-turns", "1", "--max-new-tokens", "4", "--unseen", str(demos), "10000-10001", "--out", str(tmp_path / "ev")])
+             "--max-turns", "1", "--max-new-tokens", "4", "--unseen", str(demos), str(run), "10000-10001",
+             "--out", str(tmp_path / "ev")])
     said = capsys.readouterr().out
-    assert f"{key}: --unseen drops 3 of 50 seeds" in said and "47 remain" in said and f"| {key} | 47 |" in said
-    assert [json.loads(l)["seed"] for l in open(tmp_path / "ev" / f"{key}.jsonl")] == want
+    assert (f"{key}: --unseen drops 5 of 50 seeds: 3 whose board a training episode started on, 2 more whose board "
+            "one showed at a later turn; 45 remain") in said and f"| {key} | 45 |" in said, said
+    assert [json.loads(l)["seed"] for l in open(tmp_path / "ev" / f"{key}.jsonl")] == [s for s in want if s not in (150, 171)]
 
 
 @pytest.mark.slow
@@ -4774,6 +4849,12 @@ def test_sft_heldout_loss_is_logged(tmp_path, capsys):
     assert ms[0]["heldout_loss"] == pytest.approx(want, rel=1e-5)
     assert ms[-1]["heldout_loss"] < ms[0]["heldout_loss"]
     assert "seeds 7000..7002" in said and said.count("held-out loss") == 3
+    # the work: steps 1-2 trained the 4 demonstrations once (one epoch), step 3 two of them again; each token has a
+    # forward and a backward (train.py's work/* count)
+    rows, _ = sft.demonstrations(model, tok, "CoordFrozenLakeDet", "solver", 0.5, list(range(10000, 10004)), settings, 10000)
+    once = sum(len(r[1]) for r in rows)
+    assert ms[1]["forward_tokens"] == ms[1]["backward_tokens"] == once and ms[1]["compute_tokens"] == 3 * once
+    assert once < ms[2]["forward_tokens"] < 2 * once and ms[0]["forward_tokens"] == 0
 
 
 def test_sft_heldout_boards_are_not_training_boards(tmp_path, capsys):

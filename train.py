@@ -299,6 +299,8 @@ class State:
     lora_config: object = None  # a peft LoraConfig factory under LoRA
     lora_base: dict = field(default_factory=dict)  # LoRA under torchrun: the frozen base weights, for the rollout copy
     wandb_run: object = None
+    # this rank's tokens through a model this step, every trunk pass counted (count_work): forward, backward
+    work: dict = field(default_factory=lambda: dict(forward=0, backward=0))
 
 
 def build_models(args, device, ddp, rank, world):
@@ -384,6 +386,14 @@ def trim(attention_mask, idx, *tensors, device):
     return [t[idx, :T].to(device) for t in tensors]
 
 
+def count_work(st, attention_mask, backward=False):
+    """Add a pass over rows with attention_mask [b, T] to st.work: every real token once, as if no prefix were shared
+    (the work measure the supervised controls are matched on, the same in train.py and sft.py)."""
+    n = int(attention_mask.sum())
+    st.work["forward"] += n
+    st.work["backward"] += n if backward else 0
+
+
 @torch.no_grad()
 def forward_pass(st, args, model, batch, what, skip_first=False):
     """logp, entropy or values (what) of this rank's share of the rows of batch (tokens, attention_mask, loss_mask,
@@ -394,6 +404,7 @@ def forward_pass(st, args, model, batch, what, skip_first=False):
     for mb in [mb for _, mine in partition(st, args, n)[1 if skip_first else 0:] for mb in mine]:
         tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"],
                               device=st.device)
+        count_work(st, am)
         with st.autocast():
             if what == "values":
                 x = model(tokens, am, st.share_prefix)
@@ -417,6 +428,17 @@ def log(st, args, metrics):
         f.write(json.dumps(metrics) + "\n")
     if st.wandb_run is not None:
         st.wandb_run.log(metrics, step=metrics["step"])
+
+
+def log_observations(st, args, outs, step):
+    """Rank 0: one line of <out>/observations.jsonl per preset of the step: every observation its training episodes
+    showed, at any turn (sorted, each once). eval.py --unseen reads it to judge only on boards no training episode
+    showed; a resume drops the lines after its checkpoint, so the file stays complete."""
+    if st.rank != 0:
+        return
+    with open(os.path.join(args.out, "observations.jsonl"), "a") as f:
+        for (key, _), o in zip(args.env_mix, outs):
+            f.write(json.dumps(dict(step=step, preset=key, observations=sorted({s for e in o["states"] for s in e}))) + "\n")
 
 
 def dump_trajectories(st, args, out, name, n=16):
@@ -567,6 +589,7 @@ def critic_update(st, args, mine, batch, returns, values, counts):
             st.critic.set_requires_gradient_sync(j == len(mine) - 1)
         tokens, am, mmask, mret, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
                                              batch["mask"], returns, values, device=st.device)
+        count_work(st, am, backward=True)
         with st.autocast():
             v = st.critic(tokens, am, st.share_prefix)
         vf_loss, vm = starpo.value_loss(v.float(), mold, mret, mmask, args.value_clip, args.loss_agg, **counts)
@@ -591,6 +614,7 @@ def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_ol
             st.actor.set_requires_gradient_sync(j == len(mine) - 1)
         tokens, am, mmask, madv, mold = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"],
                                              batch["mask"], adv, old_logp, device=st.device)
+        count_work(st, am, backward=True)
         with st.autocast(), (memplan.saved_bytes(st.actor) if args.measure_activations else nullcontext()) as held:
             logp, ent = starpo.token_logprobs(st.actor, tokens, am, temperature=args.temperature, with_entropy=True,
                                              mask=mmask, share_prefix=st.share_prefix)
@@ -655,6 +679,23 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
     return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr if actor_on else 0.0})
 
 
+def work_metrics(st, out, monitor):
+    """The step's work in tokens through a model, over all ranks: the rollout's (the tokens the sampler prefilled
+    and sampled), and every trunk pass's (count_work: old and reference log-probs, values, the updates' forwards and
+    backwards); with the run's totals (carried in monitor, so a resume continues them). compute_tokens counts a
+    backward twice, about the FLOPs over 2 x the parameters: the measure a supervised control is matched on."""
+    w = torch.tensor([st.work["forward"], st.work["backward"]], dtype=torch.float64, device=st.device)
+    if st.ddp:
+        dist.all_reduce(w)
+    st.work.update(forward=0, backward=0)
+    fwd = w[0].item() + (out["stats"]["prefill_tokens"].sum() + out["stats"]["response_tokens"].sum()).item()
+    bwd = w[1].item()
+    for k, v in (("forward_tokens", fwd), ("backward_tokens", bwd), ("compute_tokens", fwd + 2 * bwd)):
+        monitor[k] = monitor.get(k, 0.0) + v  # (a checkpoint written before these counts: from 0)
+    return {"work/forward_tokens": fwd, "work/backward_tokens": bwd, "work/forward_tokens_total": monitor["forward_tokens"],
+            "work/backward_tokens_total": monitor["backward_tokens"], "work/compute_tokens_total": monitor["compute_tokens"]}
+
+
 def step_summary(st, args, m, timing, out, batch):
     """Timings, throughput and memory of a step for its metrics, and the progress bar's line."""
     perf = {f"timing_s/{k}": v for k, v in timing.items()}
@@ -699,6 +740,7 @@ def train_loop(st, args, start_step, monitor):
                                args.temperature, train_envs, say)
         for (e, _), o in zip(args.env_mix, outs):
             m.update(env_metrics(o, f"train/{e}", args.group_size))
+        log_observations(st, args, outs, step)
         out = ranks.merge_rows(outs)
         if args.log_trajectories_every and step % args.log_trajectories_every == 0:
             dump_trajectories(st, args, out, f"train-step{step:05d}.jsonl")
@@ -742,6 +784,7 @@ def train_loop(st, args, start_step, monitor):
         timing["step"] = time.time() - t_step
         perf, line = step_summary(st, args, m, timing, out, batch)
         m.update(perf)
+        m.update(work_metrics(st, out, monitor))
         m["warnings"] = collapse.collapse_warnings(m, monitor)
         for w in m["warnings"]:
             print0(f"step {step}: WARNING {w}")
