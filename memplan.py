@@ -8,7 +8,7 @@ what the CPU measures. saved_bytes measures the activation part on a real forwar
 The parts are the ones train.py allocates: fp32 master weights, grads and AdamW states (sharded 1/W by FSDP2),
 the critic's trunk, the reference model, the rollout copy (unsharded, bf16 on GPU), the sampler's static KV pool,
 and the update's transients: what autograd holds for backward in one micro-batch, the bf16 weight copies
-(autocast's on one process, FSDP2's all-gathered ones on several), the unsharded gradient buffers, and one
+(autocast's on one process, FSDP2's all-gathered ones on several), the gradient buffers of the blocks in backward, and one
 token_logprobs chunk of logits with its backward. Activation bytes per token per layer are counted from what
 autograd saves in a Llama / Qwen2 layer (checked against saved_tensors_hooks on the CPU by test_memory_plan_*;
 fp32 and bf16):
@@ -28,11 +28,11 @@ GIB = 2**30
 HEADROOM = 0.92  # a card "fits" when the plan is under 92% of its memory: the CUDA context and fragmentation
 
 
-def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=True, ref=False, bf16=True,
+def plan_memory(cfg, *, world=1, rows=128, micro=4, seq=3600, critic=True, ref=False, bf16=True,
                 ckpt=False, lora_rank=0, chunk=256):
     """Expected bytes per rank by part (a dict, "total" included). cfg: an HF config; world: ranks; rows:
-    trajectories rolled out per step on all ranks (the sampler's pool holds rows / world); mini: rows per optimizer
-    step on all ranks (--mini-batch-size); micro: rows per forward/backward on a rank; seq: the longest
+    trajectories rolled out per step on all ranks (the sampler's pool holds rows / world); micro: rows per
+    forward/backward on a rank; seq: the longest
     conversation (--max-context); ref: a separate reference model (--kl-coef > 0 without LoRA); lora_rank:
     adapters on every Linear of the layers (all-linear), base weights frozen."""
     d, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
@@ -53,7 +53,6 @@ def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=Tr
     tokens = micro * seq
     acts = (L * 4 * d if ckpt else L * per_tok) * tokens + (12 * d + 8) * tokens  # + ids, final norm, chunk inputs
     slots = (seq + 1) // 128 * 128 + 128                        # sampler.static_capacity(max_context + 1)
-    accumulates = -(-mini // world // micro) > 1                # several micro-batches per rank per optimizer step
     lm_copy = 4 * embed if world > 1 and bf16 else 0            # token_logprobs' fp32 copy of a bf16 lm_head weight
     part = dict(
         weights=4 * (P + adapters) / world, grads=4 * train_actor / world, adamw=8 * train_actor / world,
@@ -70,10 +69,9 @@ def plan_memory(cfg, *, world=1, rows=128, mini=32, micro=4, seq=3600, critic=Tr
         # (the one running and the one prefetched), in bf16 or fp32 as the forward runs
         weight_casts=(rb * (root + 2 * layer) if world > 1 else 0 if not bf16 else 2 * embed if ckpt else 2 * P),
         # FSDP2 backward: the unsharded gradients of the root and of two blocks in the compute dtype, plus their
-        # fp32 reduce-scatter input; with gradient sync skipped until a mini-batch's last micro-batch, every
-        # trainable parameter's unsharded gradient accumulates in fp32 (reduce dtype) on each rank
-        grad_buffers=((rb + 4) * (root + 2 * layer) if not lora_rank else 0) + (4 * train_actor if accumulates else 0)
-        if world > 1 else 0,
+        # fp32 reduce-scatter input. Every micro-batch's backward reduce-scatters into the rank's shard (train.py's
+        # updates), so no unsharded gradient outlives its block: the plan does not grow with the micro-batch count
+        grad_buffers=((rb + 4) * (root + 2 * layer) if not lora_rank else 0) if world > 1 else 0,
         # one chunk of token_logprobs: logits, log_softmax, probabilities, their product in fp32, computed from an
         # fp32 copy of lm_head's weight where the weight is bf16 (FSDP2's gathered parameters). Its backward
         # recomputes them (the copy included) and adds the gradients of the log-softmax and of the logits, and
@@ -142,7 +140,7 @@ def check_launch(args, world, device):
     use_cuda = device.type == "cuda"
     cuda_bytes = torch.cuda.get_device_properties(device).total_memory if use_cuda else None
     gpu_plan = use_cuda or (args.plan is not None and args.device == "auto")  # --plan off a GPU plans the CUDA run
-    kw = dict(world=world, rows=args.num_groups * args.group_size, mini=args.mini_batch_size, micro=args.micro_batch_size,
+    kw = dict(world=world, rows=args.num_groups * args.group_size, micro=args.micro_batch_size,
               seq=args.max_context, critic=args.critic, ref=args.kl_coef > 0 and not args.lora_rank,
               bf16=models.compute_dtype(args.dtype, "cuda" if gpu_plan else "cpu") == "bf16", ckpt=args.grad_checkpointing,
               lora_rank=args.lora_rank)

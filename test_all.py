@@ -3335,6 +3335,41 @@ def test_models_are_sharded_before_they_are_allocated(tmp_path):
     assert read_metrics(out)[0]["perf/sync_gathered_mb"] == pytest.approx(2 * n / 2**20)
 
 
+# After every backward of a process, the bytes of unsharded gradients FSDP2 holds (an FSDPParam's unsharded grad, or
+# its fp32 accumulation when the reduce dtype differs): [rank, bytes] as one JSON line per backward
+GRAD_PROBE = ("import gc, json, os, torch\n_backward = torch.Tensor.backward\n"
+              "def backward(self, *a, **k):\n"
+              "    _backward(self, *a, **k)\n"
+              "    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam\n"
+              "    held = 0\n"
+              "    for p in (o for o in gc.get_objects() if isinstance(o, FSDPParam)):\n"
+              "        for g in (getattr(getattr(p, '_unsharded_param', None), 'grad', None), p.unsharded_accumulated_grad):\n"
+              "            held += 0 if g is None else g.numel() * g.element_size()\n"
+              "    with open(os.environ['GRAD_PROBE'], 'a') as f:\n"
+              "        f.write(json.dumps([os.environ.get('RANK'), held]) + '\\n')\n"
+              "torch.Tensor.backward = backward\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gradients_are_reduce_scattered_every_micro_batch(tmp_path, dtype):
+    """Several micro-batches per rank (mini-batch 4 on 2 ranks, micro 1: two backwards per optimizer step, actor and
+    critic): after every backward no rank holds an unsharded gradient (each micro-batch's gradients are reduce-scattered
+    into the rank's shard at once, so a rank's gradient memory is its 1/W shard, not the whole model in fp32); in fp32
+    the weights equal the 1-process run's within the 2-rank tolerance."""
+    (tmp_path / "sitecustomize.py").write_text(GRAD_PROBE)
+    probe, one, two = str(tmp_path / "probe.jsonl"), str(tmp_path / "one"), str(tmp_path / "two")
+    flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "2", "--val-every", "0", "--collapse-every", "0",
+             "--lr", "1e-3", "--critic-lr", "1e-3", "--micro-batch-size", "1", "--dtype", dtype]
+    run_train(*flags, "--out", two, torchrun=2, env=dict(PYTHONPATH=str(tmp_path), GRAD_PROBE=probe))
+    calls = [json.loads(l) for l in open(probe)]
+    assert len(calls) == 2 * 2 * 2 * 2 and sorted({r for r, _ in calls}) == ["0", "1"], calls  # steps x models x micro x ranks
+    assert max(b for _, b in calls) == 0, calls
+    if dtype == "fp32":
+        run_train(*flags, "--out", one)
+        assert_same_as_one_process(one, two)
+
+
 # ------------------------------------------------------------------ LoRA
 LORA = [*TINY, "--env", "sokoban", "--algo", "ppo", "--lora-rank", "4", "--kl-coef", "0.01", "--lr", "1e-2",
         "--critic-lr", "1e-2", "--val-every", "0"]
@@ -3840,6 +3875,25 @@ def tiny_config():
     return models.build_tiny("llama")[0].config
 
 
+def test_memory_plan_never_grows_when_the_micro_batch_halves_and_7b_ppo_fits_eight_cards():
+    # every micro-batch reduce-scatters its gradients (train.py), so fewer rows per forward never costs memory; the
+    # plan's suggestion for Qwen2.5-7B StarPO-S PPO (critic, gradient checkpointing) on 8 x 80 GB is a smaller
+    # micro-batch, and with it the plan fits under the headroom
+    import bench
+    import memplan
+    from transformers import Qwen2Config
+    for shape in (bench.QWEN25_05B, bench.QWEN25_3B, bench.QWEN25_7B):
+        cfg = Qwen2Config(**shape)
+        for world in (1, 2, 8):
+            for kw in (dict(), dict(ckpt=True), dict(critic=False), dict(ref=True), dict(lora_rank=64), dict(bf16=False)):
+                totals = [memplan.plan_memory(cfg, world=world, micro=m, **kw)["total"] for m in (16, 8, 4, 2, 1)]
+                assert totals == sorted(totals, reverse=True), (shape["num_hidden_layers"], world, kw, totals)
+    cfg, card = Qwen2Config(**bench.QWEN25_7B), 80 * memplan.GIB
+    kw = dict(world=8, micro=4, ckpt=True, critic=True)
+    assert memplan.fitting_flags(cfg, kw, card) == "--micro-batch-size 2"
+    assert memplan.fits(memplan.plan_memory(cfg, **dict(kw, micro=2))["total"], card)
+
+
 def test_memory_plan_hand_computed_for_an_untied_config():
     # d 8, I 12, 2 layers, 2 heads of 4 on 1 KV head, vocab 20, untied: every part by hand, on 2 ranks, bf16, PPO
     # with a reference model, 4 rows rolled out, mini-batch 4 in micro-batches of 1, 10-token conversations
@@ -3854,7 +3908,7 @@ def test_memory_plan_hand_computed_for_an_untied_config():
     linear = sum(m.weight.numel() for m in (a.self_attn.q_proj, a.self_attn.k_proj, a.self_attn.v_proj, a.self_attn.o_proj,
                                             a.mlp.gate_proj, a.mlp.up_proj, a.mlp.down_proj))
     assert (linear, sum(p.numel() for p in a.parameters()), sum(p.numel() for p in model.parameters())) == (480, 512, 1352)
-    plan = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=True, ref=True, bf16=True)
+    plan = memplan.plan_memory(cfg, world=2, rows=4, micro=1, seq=10, critic=True, ref=True, bf16=True)
     want = dict(weights=4 * 1352 / 2, grads=4 * 1352 / 2, adamw=8 * 1352 / 2,
                 critic=16 * (1352 - 160 + 8 + 1) / 2,          # the trunk: no lm_head, + value head (8 + 1)
                 reference=4 * 1352 / 2, rollout_copy=2 * 1352, lora_base=0,
@@ -3862,20 +3916,21 @@ def test_memory_plan_hand_computed_for_an_untied_config():
                 # bf16 autocast per token per layer 26*8 + 8 + 4*8 + 4*4 + 4*2 + 8*12 = 368, outside 12*8 + 8 = 104
                 activations=(2 * 368 + 104) * 10, recompute=0,
                 weight_casts=2 * (328 + 2 * 512),             # bf16 root (both embeddings) + two blocks, all-gathered
-                # bf16 grads + fp32 reduce-scatter input of root + two blocks, + 2 micro-batches per rank: fp32 unsharded
-                grad_buffers=(2 + 4) * (328 + 2 * 512) + 4 * 1352,
+                # bf16 grads + fp32 reduce-scatter input of root + two blocks (each micro-batch reduce-scatters: its
+                # 2 micro-batches per rank add no unsharded accumulation)
+                grad_buffers=(2 + 4) * (328 + 2 * 512),
                 # 10 positions (< the 256 chunk) x vocab 20, four fp32 tensors, + the fp32 copy of the bf16 lm_head
                 logprob_chunk=4 * 10 * 20 * 4 + 4 * 160,
                 # two fp32 gradients of the chunk, the copy again, lm_head's fp32 weight gradient and its bf16 cast
                 logprob_backward=2 * 10 * 20 * 4 + 4 * 160 + 4 * 160 + 2 * 160)
     want["total"] = sum(want.values())
-    assert plan == pytest.approx(want) and want["total"] == 65688
+    assert plan == pytest.approx(want) and want["total"] == 60280
     # one process, fp32, no critic: no rollout copy, no FSDP buffers, no casts
-    one = memplan.plan_memory(cfg, world=1, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=False)
+    one = memplan.plan_memory(cfg, world=1, rows=4, micro=1, seq=10, critic=False, bf16=False)
     assert one["rollout_copy"] == one["grad_buffers"] == one["weight_casts"] == one["critic"] == 0
     # LoRA rank 2 on 2 ranks: adapters 2*(7*8 + 2*8 + 2*4 + 3*12) = 232 per layer train; the base of the adapted
     # weights (480 per layer) is gathered once in bf16 for the rollout copy
-    lora = memplan.plan_memory(cfg, world=2, rows=4, mini=4, micro=1, seq=10, critic=False, bf16=True, lora_rank=2)
+    lora = memplan.plan_memory(cfg, world=2, rows=4, micro=1, seq=10, critic=False, bf16=True, lora_rank=2)
     assert (lora["grads"], lora["adamw"], lora["lora_base"]) == (4 * 464 / 2, 8 * 464 / 2, 2 * 2 * 480)
 
 
@@ -3987,7 +4042,7 @@ def test_plan_prints_the_parts_and_exits_without_training(tmp_path):
 @pytest.mark.slow
 def test_train_refuses_a_plan_that_does_not_fit_and_names_the_flags_that_would(tmp_path):
     import memplan
-    kw = dict(world=1, rows=4, mini=4, micro=2, seq=3600, critic=True, bf16=False)
+    kw = dict(world=1, rows=4, micro=2, seq=3600, critic=True, bf16=False)
     with_ckpt, without = (memplan.plan_memory(tiny_config(), ckpt=c, **kw)["total"] for c in (True, False))
     gb = (with_ckpt + without) / 2 / memplan.HEADROOM / 2**30  # a card between the two
     flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0"]
