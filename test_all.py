@@ -3986,15 +3986,82 @@ def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny
     assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
 
 
-def test_memory_plan_tables_are_what_bench_prints():
-    # results/README.md's memory-plan tables are arithmetic, printed by `python bench.py --plan --markdown` from
-    # memplan.py: a change to the plan fails here until the printed tables are pasted over the committed ones
-    import bench
-    with open(os.path.join(HERE, "results", "README.md"), encoding="utf-8") as f:
+def test_memory_plan_page_is_what_bench_prints(monkeypatch, capsys):
+    # results/memory-plan.md is generated: `python bench.py --plan --markdown` prints it whole (memplan.py's arithmetic
+    # and the text around it), so a change to the plan fails here until the page is written again, and prose
+    # elsewhere cannot fail it. The command runs in process (runpy), exactly as on the command line.
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--plan", "--markdown"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(os.path.join(HERE, "bench.py"), run_name="__main__")
+    assert not stop.value.code
+    with open(os.path.join(HERE, "results", "memory-plan.md"), encoding="utf-8") as f:
         committed = f.read()
-    for table in bench.plan_tables():
-        assert table in committed, ("results/README.md's memory-plan table is not what `python bench.py --plan "
-                                    "--markdown` prints now; paste this over it:\n" + table)
+    assert committed == capsys.readouterr().out, ("results/memory-plan.md is not what `python bench.py --plan --markdown` "
+                                                  "prints; write it again: python bench.py --plan --markdown > "
+                                                  "results/memory-plan.md")
+
+
+def markdown_slug(heading):
+    """GitHub's anchor for a heading: lowercase; every character but letters, digits, spaces, hyphens and underscores
+    dropped (non-ASCII letters stay: "ε"); spaces to hyphens. A link in the heading counts by its text."""
+    import re
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def markdown_anchors_and_links(text):
+    """(the anchors of a markdown page's headings, the targets of its inline links and images), fenced code blocks
+    skipped, and code spans for links. A repeated heading's anchor gets -1, -2, ... in page order, as on GitHub."""
+    import re
+    anchors, count, prose, fenced = set(), {}, [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            prose.append(line)
+            heading = re.match(r"#{1,6} (.+)", line)
+            if heading:
+                slug = markdown_slug(heading.group(1))
+                anchors.add(f"{slug}-{count[slug]}" if slug in count else slug)
+                count[slug] = count.get(slug, 0) + 1
+    prose = re.sub(r"`[^`]*`", "", "\n".join(prose))  # a code span may run over a line break
+    return anchors, re.findall(r"\[[^\]]*\]\(([^()\s]+)\)", prose)
+
+
+def markdown_anchors(path):
+    with open(path, encoding="utf-8") as f:
+        return markdown_anchors_and_links(f.read())[0]
+
+
+def test_markdown_links_resolve():
+    # every relative link of README.md, docs/*.md and results/**/*.md names a file of the repository, and its #anchor a
+    # heading of that file by GitHub's rule; the rule first on headings these pages link to, and on a hand-made page
+    import glob
+    import re
+    import urllib.parse
+    assert (markdown_slug("Three seeds and a control from the 4,096-demonstration start: GRPO and PPO beat both (CPU)") ==
+            "three-seeds-and-a-control-from-the-4096-demonstration-start-grpo-and-ppo-beat-both-cpu")
+    assert (markdown_slug("The ε = 0.5 mix warm-up: between random and solver, reading the board from 3,840 demonstrations")
+            == "the-ε--05-mix-warm-up-between-random-and-solver-reading-the-board-from-3840-demonstrations")
+    assert markdown_slug("The memory plan (`memplan.py`, `train.py --plan`)") == "the-memory-plan-memplanpy-trainpy---plan"
+    page = "# A\n## A\n```bash\n# A\n[x](fenced.md)\n```\nsee `[y](code.md)` [z](a.md#a-1)\n### A, `b` [c](d.md)\n## A"
+    assert markdown_anchors_and_links(page) == ({"a", "a-1", "a-b-c", "a-2"}, ["a.md#a-1", "d.md"])
+    pages = [os.path.join(HERE, "README.md"), *glob.glob(os.path.join(HERE, "docs", "*.md")),
+             *glob.glob(os.path.join(HERE, "results", "**", "*.md"), recursive=True)]
+    broken = []
+    for md in pages:
+        with open(md, encoding="utf-8") as f:
+            links = markdown_anchors_and_links(f.read())[1]
+        for target in (t for t in links if not re.match(r"[a-z]+:", t)):  # http:, https:, mailto: are not checked
+            path, _, anchor = urllib.parse.unquote(target).partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(md), path)) if path else md
+            where = f"{os.path.relpath(md, HERE)}: {target}: "
+            if not dest.startswith(HERE + os.sep) or not os.path.exists(dest):
+                broken.append(where + "no such file in the repository")
+            elif anchor and not (dest.endswith(".md") and anchor in markdown_anchors(dest)):
+                broken.append(where + f"no heading of {os.path.relpath(dest, HERE)} has this anchor")
+    assert not broken, "\n".join(broken)
 
 
 @pytest.mark.slow
