@@ -347,6 +347,8 @@ PLAN_COMMANDS = [
     ("Qwen2.5-7B-Instruct", QWEN25_7B, 8, "--env sokoban --algo ppo --grad-checkpointing", dict(world=8, ckpt=True)),
     ("Qwen2.5-7B-Instruct", QWEN25_7B, 8, "--env sokoban --algo ppo --grad-checkpointing --kl-coef 0.001",
      dict(world=8, ckpt=True, ref=True)),
+    ("Qwen2.5-7B-Instruct", QWEN25_7B, 8, "--env sokoban --algo ppo --grad-checkpointing --micro-batch-size 2",
+     dict(world=8, ckpt=True, micro=2)),
 ]
 
 
