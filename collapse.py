@@ -8,18 +8,21 @@ pair's prompt by teacher forcing (cross_logliks), reduced to mutual information 
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import starpo
 from rollout import reasoning_span
 
 
-def collapse_metrics(model, tok, out, seed, think, multi_turn, temperature, max_pairs=64):
+def collapse_metrics(model, tok, out, seed, think, multi_turn, temperature, max_pairs=64, rank=0, world=1):
     """RAGEN-2 collapse diagnostics (ragen/trainer/collapse_metrics.py) of a rollout out, before filtering: up to 64
     (x, z) pairs (rollout.reasoning_span), each z scored under every column's prompt by model, the rollout model
     (cross_logliks), and reduced by collapse_stats. first_turn: first turns, one column per group (a group's
     members share their first prompt). any_turn (multi_turn runs only): one turn drawn per trajectory among its
-    turns with a non-empty z, one column per pair (RAGEN's trajectory-uniform sample). seed: of the draws."""
+    turns with a non-empty z, one column per pair (RAGEN's trajectory-uniform sample). seed: of the draws.
+    Under torchrun every rank calls it with the whole rollout (the same pairs on every rank) and scores its share of
+    the prompt columns (rank of world; cross_logliks); every rank returns the same diagnostics."""
     g = torch.Generator().manual_seed(seed)  # its own generator: the training RNG is untouched
     spans = [[reasoning_span(tok, out["tokens"][b].tolist(), out["loss_mask"][b].tolist(), e, think)
               for e in ends] for b, ends in enumerate(out["turn_ends"])]  # spans[b][t] = (x, z)
@@ -42,19 +45,21 @@ def collapse_metrics(model, tok, out, seed, think, multi_turn, temperature, max_
             continue
         ids = {}
         cls = [ids.setdefault(tuple(x), len(ids)) for x in prompts]  # identical prompts share an id
-        L, L_sum = cross_logliks(model, prompts, [z for _, _, z in pairs], temperature)
+        L, L_sum = cross_logliks(model, prompts, [z for _, _, z in pairs], temperature, rank=rank, world=world)
         m.update({f"collapse/{name}/{k}": v for k, v in collapse_stats(L, L_sum, own, cls).items()})
     return m
 
 
 @torch.no_grad()
-def cross_logliks(model, prompts, responses, temperature=1.0, batch=16, chunk=64):
+def cross_logliks(model, prompts, responses, temperature=1.0, batch=16, chunk=64, rank=0, world=1):
     """Teacher-forced L[i, j] = log p(responses[i] | prompts[j]) under an HF causal LM at logits / temperature,
     as (per-token mean [P, N], per-sequence sum [P, N]) (RAGEN-2 collapse_metrics._compute_cross_log_probs).
     prompts, responses: lists of token-id lists; responses must be non-empty. Each prompt is prefilled once and
     its KV cache repeated over `batch` right-padded responses (cut back to the prompt after each batch), so
     the cost is the N prompts plus P x N response tokens, not P x N full sequences. A padded position comes after
-    every real one, so no real token sees it; its log-prob is dropped."""
+    every real one, so no real token sees it; its log-prob is dropped. world > 1 (torchrun; every rank calls it
+    with the same lists): this rank scores the columns rank, rank + world, ... and one all-reduce sums the ranks'
+    columns into the whole matrix, on every rank."""
     P, N, dev = len(responses), len(prompts), model.get_output_embeddings().weight.device
     lens = torch.tensor([len(r) for r in responses])  # [P]
     if P == 0 or int(lens.min()) < 1:
@@ -66,7 +71,8 @@ def cross_logliks(model, prompts, responses, temperature=1.0, batch=16, chunk=64
         z[i, :len(r)] = torch.tensor(r)
     valid = torch.arange(z.shape[1]) < F.pad(lens, (0, rows - P))[:, None]  # [rows, Tz] padding rows: all False
     lm_head, total = model.get_output_embeddings(), torch.zeros(rows, N)  # total [rows, N]
-    for j, x in enumerate(prompts):
+    for j in range(rank, N, world):
+        x = prompts[j]
         pre = model(input_ids=torch.tensor([x], device=dev), use_cache=True, output_hidden_states=True, logits_to_keep=1)
         cache, h0 = pre.past_key_values, pre.hidden_states[-1][:, -1:]  # h0 [1, 1, H] predicts each response's first token
         cache.batch_repeat_interleave(batch)
@@ -79,6 +85,10 @@ def cross_logliks(model, prompts, responses, temperature=1.0, batch=16, chunk=64
             lp = torch.cat([starpo._chunk_logprobs(lm_head, h[:, c:c + chunk], zb[:, c:c + chunk], temperature, False)[0]
                             for c in range(0, h.shape[1], chunk)], dim=1)  # [batch, Tz]
             total[s:s + batch, j] = (lp.float().cpu() * valid[s:s + batch]).sum(1)
+    if world > 1:  # each column was scored on one rank, zeros elsewhere (on the model's device: NCCL reduces GPU tensors)
+        summed = total.to(dev)
+        dist.all_reduce(summed)
+        total = summed.cpu()
     total = total[:P]  # [P, N]
     return total / lens[:, None], total
 

@@ -3188,6 +3188,48 @@ def test_train_logs_collapse_metrics_and_plot_overlays_runs(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
 
+# Every prompt prefill collapse.cross_logliks runs (a model call on one prompt without a cache): [rank, prefills] as
+# one JSON line per call of cross_logliks
+COLLAPSE_PROBE = ("import json, os, collapse\n_cross = collapse.cross_logliks\n"
+                  "class Counting:\n"
+                  "    def __init__(self, model):\n        self.model, self.prefills = model, 0\n"
+                  "    def __getattr__(self, name):\n        return getattr(self.model, name)\n"
+                  "    def __call__(self, *a, **k):\n"
+                  "        self.prefills += k.get('past_key_values') is None\n"
+                  "        return self.model(*a, **k)\n"
+                  "def cross_logliks(model, *a, **k):\n"
+                  "    counting = Counting(model)\n"
+                  "    out = _cross(counting, *a, **k)\n"
+                  "    with open(os.environ['COLLAPSE_PROBE'], 'a') as f:\n"
+                  "        f.write(json.dumps([os.environ.get('RANK', '0'), counting.prefills]) + '\\n')\n"
+                  "    return out\n"
+                  "collapse.cross_logliks = cross_logliks\n")
+
+
+@pytest.mark.slow
+def test_collapse_diagnostics_are_spread_over_the_ranks(tmp_path):
+    """The collapse diagnostics' prompt columns are divided among the ranks (each prefills its share, the scores are
+    summed over ranks): 2 ranks prefill the prompts 1 process does, each about half of them, and log the same
+    diagnostics."""
+    (tmp_path / "sitecustomize.py").write_text(COLLAPSE_PROBE)
+    flags = [*TINY, "--env", "frozenlake", "--algo", "grpo", "--no-think", "--num-groups", "4", "--steps", "1",
+             "--val-every", "0", "--collapse-every", "1", "--lr", "1e-3"]
+    counts = {}
+    for ranks, name in ((0, "one"), (2, "two")):
+        probe = str(tmp_path / f"{name}.jsonl")
+        run_train(*flags, "--out", str(tmp_path / name), torchrun=ranks,
+                  env=dict(PYTHONPATH=os.pathsep.join([str(tmp_path), HERE]), COLLAPSE_PROBE=probe))
+        counts[name] = [json.loads(l) for l in open(probe)]
+    one = sum(n for _, n in counts["one"])
+    per_rank = {r: sum(n for q, n in counts["two"] if q == r) for r in ("0", "1")}
+    assert one >= 4 and sum(per_rank.values()) == one and min(per_rank.values()) >= one // 2 - 1, (counts, per_rank)
+    a, b = read_metrics(str(tmp_path / "one"))[0], read_metrics(str(tmp_path / "two"))[0]
+    keys = [k for k in a if k.startswith("collapse/")]
+    assert keys and keys == [k for k in b if k.startswith("collapse/")]
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
 def test_plot_reads_the_collapse_warnings_as_a_count_per_step(tmp_path):
     # metrics.jsonl logs each step's warnings as a list of sentences; the plot draws how many each step had
     lines = [{"step": 0, "rollout/in_group_std": 0.4, "warnings": []},

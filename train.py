@@ -744,12 +744,13 @@ def train_loop(st, args, start_step, monitor):
         out = ranks.merge_rows(outs)
         if args.log_trajectories_every and step % args.log_trajectories_every == 0:
             dump_trajectories(st, args, out, f"train-step{step:05d}.jsonl")
-        # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows
-        if args.collapse_every > 0 and step % args.collapse_every == 0 and st.rank == 0 and not windowed(args):
+        # RAGEN-2, before filtering; it reads each episode whole from one row, so not when a context window cuts rows.
+        # Every rank scores its share of the prompt columns on its rollout copy (all ranks hold the whole rollout)
+        if args.collapse_every > 0 and step % args.collapse_every == 0 and not windowed(args):
             with timed(timing, "collapse"):
                 say("collapse diagnostics")
                 m.update(collapse.collapse_metrics(st.rollout_model, st.tok, out, args.seed + step, not args.no_think,
-                                                   args.max_turns > 1, args.temperature))
+                                                   args.max_turns > 1, args.temperature, rank=st.rank, world=st.world))
 
         # 2. select rows: normalise the scores, filter whole groups, adjust the row count, place the rewards
         with timed(timing, "filter"):
