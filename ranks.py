@@ -75,6 +75,16 @@ def all_reduce_mean(d, ddp, world, device):
     return {k: v / world for k, v in zip(keys, t.tolist())}
 
 
+def max_and_mean(x, ddp, world, device):
+    """(max, mean) over ranks of this rank's float x (two collectives, on device); x itself on one process."""
+    if not ddp:
+        return x, x
+    t = torch.tensor([x, x], dtype=torch.float64, device=device)
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(t[1:])
+    return t[0].item(), t[1].item() / world
+
+
 def update_partition(n, mini, micro, rank, world):
     """The update's partition of n rows (n and mini, --mini-batch-size, multiples of world): [(rows of a mini-batch,
     this rank's micro-batches of micro rows of it)]. The no-grad passes (old and reference log-probs, values) use it

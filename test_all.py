@@ -3230,6 +3230,25 @@ def test_collapse_diagnostics_are_spread_over_the_ranks(tmp_path):
         assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 
+@pytest.mark.slow
+def test_each_ranks_rollout_time_is_logged(tmp_path):
+    """timing_s/rollout_rank_max and _mean: the seconds each rank spent in its own rollout (before the gather waits
+    for the others), the slowest and the mean over ranks, so load imbalance shows in metrics.jsonl. Rank 1 made 1 s
+    slower per rollout call: the max leads the mean by about half a second; one process: max = mean."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time, rollout\n_rollout = rollout.rollout\n"
+        "def slow(*a, **k):\n    time.sleep(1.0 if os.environ.get('RANK') == '1' else 0.0)\n    return _rollout(*a, **k)\n"
+        "rollout.rollout = slow\n")
+    flags = [*TINY, "--env", "frozenlake", "--algo", "grpo", "--steps", "1", "--val-every", "0", "--collapse-every", "0"]
+    env = dict(PYTHONPATH=os.pathsep.join([str(tmp_path), HERE]))
+    run_train(*flags, "--out", str(tmp_path / "one"), env=env)
+    run_train(*flags, "--out", str(tmp_path / "two"), torchrun=2, env=env)
+    a, b = read_metrics(str(tmp_path / "one"))[0], read_metrics(str(tmp_path / "two"))[0]
+    assert a["timing_s/rollout_rank_max"] == a["timing_s/rollout_rank_mean"] > 0
+    assert 0.4 < b["timing_s/rollout_rank_max"] - b["timing_s/rollout_rank_mean"] < 0.6, b
+    assert b["timing_s/rollout"] >= b["timing_s/rollout_rank_max"]
+
+
 def test_plot_reads_the_collapse_warnings_as_a_count_per_step(tmp_path):
     # metrics.jsonl logs each step's warnings as a list of sentences; the plot draws how many each step had
     lines = [{"step": 0, "rollout/in_group_std": 0.4, "warnings": []},

@@ -299,8 +299,9 @@ class State:
     lora_config: object = None  # a peft LoraConfig factory under LoRA
     lora_base: dict = field(default_factory=dict)  # LoRA under torchrun: the frozen base weights, for the rollout copy
     wandb_run: object = None
-    # this rank's tokens through a model this step, every trunk pass counted (count_work): forward, backward
-    work: dict = field(default_factory=lambda: dict(forward=0, backward=0))
+    # this rank's tokens through a model this step, every trunk pass counted (count_work): forward, backward; and the
+    # seconds its own rollouts took, before a gather waited for the other ranks
+    work: dict = field(default_factory=lambda: dict(forward=0, backward=0, rollout_s=0.0))
 
 
 def build_models(args, device, ddp, rank, world):
@@ -357,10 +358,12 @@ def run_rollout(st, args, presets, group_size, seed0, temperature, envs, say, wh
         seed0 += n_groups
         if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
             envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
+        t0 = time.time()
         out = rollout_py.rollout(st.rollout_model, st.tok, envs[preset_key][:len(seeds)], seeds, group_size=group_size,
                                  temperature=temperature, sampler=st.sampler,
                                  progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"),
                                  **agent.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
+        st.work["rollout_s"] += time.time() - t0
         outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}, st.ddp, st.world))
     return outs
 
@@ -736,8 +739,12 @@ def train_loop(st, args, start_step, monitor):
         # 1. rollout: group g of this step resets from seed + step*groups + g (RAGEN seed.train counter); mixed presets
         #    take their groups in --env order, each logged under its own name
         with timed(timing, "rollout"):
+            st.work["rollout_s"] = 0.0
             outs = run_rollout(st, args, args.env_mix, args.group_size, args.seed + step * args.num_groups,
                                args.temperature, train_envs, say)
+            # each rank's own rollout seconds (before the gathers waited for the slowest): the step waits for the max
+            timing["rollout_rank_max"], timing["rollout_rank_mean"] = ranks.max_and_mean(
+                st.work["rollout_s"], st.ddp, st.world, st.device)
         for (e, _), o in zip(args.env_mix, outs):
             m.update(env_metrics(o, f"train/{e}", args.group_size))
         log_observations(st, args, outs, step)
