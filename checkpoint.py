@@ -1,9 +1,15 @@
-"""train.py's run directory: args.json, metrics.jsonl, observations.jsonl, ckpt.pt (what --resume continues) and hf/ (the trained model
-as a plain HF directory), written so that a run killed at any instant resumes from its last checkpoint.
+"""train.py's run directory: args.json, metrics.jsonl, observations.jsonl, ckpt.pt and state-<N>/ (what --resume
+continues) and hf/ (the trained model as a plain HF directory), written so that a run killed at any instant resumes
+from its last checkpoint.
 
-Files are replaced by rename. A checkpoint writes hf.tmp and ckpt.pt.tmp, renames hf -> hf.old, hf.tmp -> hf, then
-ckpt.pt.tmp -> ckpt.pt (the commit); clean_interrupted_checkpoint undoes what a kill half-way left behind. A resumed
-run drops the metrics lines written after its checkpoint.
+The training state (actor and critic weights and AdamW states) is saved sharded with torch.distributed.checkpoint:
+every rank writes its own shard into state-<N>/ (N steps done), and no rank ever holds the whole state (at 7B the
+actor, critic and their AdamW states are about 176 GB); a resume on any number of ranks reads the shards it needs.
+ckpt.pt is small: the step, args, RNG, monitor and the name of its state directory. hf/ is the actor gathered whole
+on rank 0, weights only. Files are replaced by rename: a checkpoint writes state-<N>.tmp/ (all ranks), renames it
+to state-<N>/, writes ckpt.pt.tmp and hf.tmp, renames hf -> hf.old, hf.tmp -> hf, then ckpt.pt.tmp -> ckpt.pt (the
+commit), and removes the older state directory; clean_interrupted_checkpoint undoes what a kill half-way left
+behind. A resumed run drops the metrics lines written after its checkpoint.
 """
 import importlib.util
 import json
@@ -14,8 +20,9 @@ import subprocess
 import time
 
 import torch
+import torch.distributed as dist
 
-from fsdp import full_state, load_state, meta_copy
+from fsdp import full_state, load_state, meta_copy, set_training_state, training_state
 
 # A resumed run takes the same flags, except these, which change neither what is trained nor the sampled tokens:
 # where and how long it runs, what it logs, memory, and the reference paths
@@ -49,8 +56,8 @@ def open_run(args):
         ckpt_path = os.path.join(args.resume, "ckpt.pt")
         if not os.path.exists(ckpt_path):
             raise ValueError(f"--resume {args.resume}: no ckpt.pt there")
-        # mmap: every rank maps the same file, so the page cache holds one copy of the full state dicts, not one per
-        # rank; fsdp.load_state copies them into this rank's (sharded) parameters
+        # small (the weights are in its state directory); mmap: a checkpoint of the full-state format, whose file holds
+        # every weight, is mapped once in the page cache for all ranks
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
         if ckpt["step"] >= args.steps:
             raise ValueError(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} "
@@ -73,10 +80,15 @@ def open_run(args):
 
 def clean_interrupted_checkpoint(out):
     """Undo what a save_checkpoint killed half-way left behind in run directory out; afterwards hf/ holds the weights
-    of ckpt.pt. save_checkpoint renames hf -> hf.old, hf.tmp -> hf, then ckpt.pt.tmp -> ckpt.pt (the commit): hf.old
-    together with ckpt.pt.tmp, or without hf, means the commit never happened, so hf.old is ckpt.pt's export."""
+    of ckpt.pt and the only state directory is ckpt.pt's. save_checkpoint renames hf -> hf.old, hf.tmp -> hf, then
+    ckpt.pt.tmp -> ckpt.pt (the commit): hf.old together with ckpt.pt.tmp, or without hf, means the commit never
+    happened, so hf.old is ckpt.pt's export."""
     j = lambda name: os.path.join(out, name)
     shutil.rmtree(j("hf.tmp"), ignore_errors=True)
+    committed = torch.load(j("ckpt.pt"), weights_only=False, mmap=True).get("state") if os.path.exists(j("ckpt.pt")) else None
+    for d in os.listdir(out):  # a half-written state (.tmp), one renamed in before its commit, one left after it
+        if d.startswith("state-") and d != committed:
+            shutil.rmtree(j(d))
     if os.path.isdir(j("hf.old")):
         if os.path.exists(j("ckpt.pt.tmp")) or not os.path.isdir(j("hf")):
             if os.path.isdir(j("hf")):
@@ -127,23 +139,34 @@ def lora_export(model_name, lora_config, adapter_sd, adapter_dir=None):
 
 
 def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout_model, tok, lora_config, rank):
-    """ckpt.pt and a plain HF directory <args.out>/hf, both written under temporary names and renamed in: hf first,
-    ckpt.pt last (the commit). ckpt.pt holds the actor and the critic (None: none) with their optimisers opt and
-    critic_opt, the torch RNG, step and monitor; hf/ the actor's weights in rollout_model's structure (under LoRA:
-    the --model reloaded with the adapter of lora_config(), a factory, merged in) and tok. Every rank calls it (the
-    state dicts are gathered collectively), rank 0 writes. Killed at any instant, the previous checkpoint stays
-    whole, hf/ is ahead of ckpt.pt for at most one rename (and --keep-hf's copy of it to step<N>), and
+    """The checkpoint of `step` (0-based) in <args.out>: state-<step+1>/, the actor and the critic (None: none) with
+    their optimisers opt and critic_opt, written sharded by every rank (torch.distributed.checkpoint); ckpt.pt, the
+    torch RNG, step and monitor and the state directory's name; hf/, the actor's weights in rollout_model's structure
+    (under LoRA: the --model reloaded with the adapter of lora_config(), a factory, merged in) and tok. Everything is
+    written under temporary names and renamed in, ckpt.pt last (the commit). Every rank calls it (the shards and hf/'s
+    weights are collectives), rank 0 renames and commits. Killed at any instant, the previous checkpoint stays whole,
+    hf/ is ahead of ckpt.pt for at most one rename (and --keep-hf's copy of it to step<N>), and
     clean_interrupted_checkpoint() puts it back; a failed write raises OSError, which says so."""
+    import torch.distributed.checkpoint as dcp
     lora = args.lora_rank > 0  # LoRA: adapters (+ critic head)
-    actor_sd, actor_osd = full_state(actor, opt, lora)
-    critic_sd, critic_osd = full_state(critic, critic_opt, lora) if critic is not None else (None, None)
+    actor_sd = full_state(actor, None, lora)[0]  # the whole actor on rank 0 (CPU), for hf/ only
+    shards = {"actor": training_state(actor, opt, lora)}
+    if critic is not None:
+        shards["critic"] = training_state(critic, critic_opt, lora)
+    name = f"state-{step + 1:06d}"
+    j = lambda name: os.path.join(args.out, name)
+    try:  # every rank writes its shards; a failure on any rank raises on every rank
+        dcp.save(shards, checkpoint_id=j(name + ".tmp"), no_dist=not dist.is_initialized())
+    except Exception as e:  # torch's CheckpointException (a full disk on some rank), or the OSError itself
+        raise OSError(f"checkpoint of step {step} failed writing {name}.tmp, {args.out} still holds the previous one: "
+                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if rank != 0:
         return
-    state = dict(step=step, args={k: v for k, v in vars(args).items()}, actor=actor_sd, actor_opt=actor_osd,
-                 critic=critic_sd, critic_opt=critic_osd, torch_rng=torch.get_rng_state(), monitor=monitor)
-    j = lambda name: os.path.join(args.out, name)
+    state = dict(step=step, args={k: v for k, v in vars(args).items()}, state=name, torch_rng=torch.get_rng_state(),
+                 monitor=monitor)
     try:
-        clean_interrupted_checkpoint(args.out)
+        shutil.rmtree(j(name), ignore_errors=True)  # one renamed in by a launch killed before its commit
+        os.rename(j(name + ".tmp"), j(name))
         torch_save(state, j("ckpt.pt.tmp"))
         if lora:  # the peft config of the actor's adapters
             export = lora_export(args.model, lora_config(), actor_sd,
@@ -166,6 +189,9 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
             os.rename(keep + ".tmp", keep)
         os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
         shutil.rmtree(j("hf.old"), ignore_errors=True)
+        for d in os.listdir(args.out):  # the previous checkpoint's state
+            if d.startswith("state-") and d != name:
+                shutil.rmtree(j(d))
     except OSError as e:
         raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
 
@@ -181,15 +207,53 @@ def torch_save(obj, f):
 
 def load_checkpoint(args, ckpt, actor, opt, critic, critic_opt):
     """Fill the actor, the critic (None: none) and their optimisers, and the torch RNG, from open_run's checkpoint
-    ckpt (None: a fresh run). Returns (the first step to run, the collapse indicators and stop counters, checkpointed
-    with the run)."""
+    ckpt (None: a fresh run), on every rank: each reads its own share of the state directory, whatever the number of
+    ranks that wrote it (a ckpt.pt of the full-state format holds the weights itself). Returns (the first step to run,
+    the collapse indicators and stop counters, checkpointed with the run)."""
     if ckpt is None:
         return 0, {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
-    load_state(actor, opt, ckpt["actor"], ckpt["actor_opt"], args.lora_rank > 0)
-    if critic is not None:
-        load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"], args.lora_rank > 0)
+    lora = args.lora_rank > 0
+    if "state" in ckpt:
+        import torch.distributed.checkpoint as dcp
+        path = os.path.join(args.out, ckpt["state"])
+        saved = read_state_keys(path)  # which optimisers had stepped (a never-stepped one is not saved)
+        shards = {"actor": training_state(actor, opt, lora, with_optimizer="actor.optim" in saved)}
+        if critic is not None:
+            shards["critic"] = training_state(critic, critic_opt, lora, with_optimizer="critic.optim" in saved)
+        dcp.load(shards, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_training_state(actor, opt, shards["actor"], lora)
+        if critic is not None:
+            set_training_state(critic, critic_opt, shards["critic"], lora)
+    else:
+        load_state(actor, opt, ckpt["actor"], ckpt["actor_opt"], lora)
+        if critic is not None:
+            load_state(critic, critic_opt, ckpt["critic"], ckpt["critic_opt"], lora)
     torch.set_rng_state(ckpt["torch_rng"])
     return ckpt["step"] + 1, ckpt["monitor"]
+
+
+def read_state_keys(path):
+    """The top two levels of the keys in the state directory at path, e.g. {"actor.model", "actor.optim", ...}."""
+    import torch.distributed.checkpoint as dcp
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {".".join(k.split(".")[:2]) for k in keys}
+
+
+def read_state(run_dir):
+    """A run directory's checkpoint, whole, in this process (for inspection and tests): ckpt.pt's entries (step, args,
+    torch_rng, monitor) with actor, actor_opt, critic, critic_opt as full state dicts (None where absent: no critic,
+    or an optimizer that never stepped). Reads either checkpoint format."""
+    import warnings
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    ckpt = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
+    if "state" not in ckpt:
+        return ckpt
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore")
+        shards = _load_state_dict_from_keys(checkpoint_id=os.path.join(run_dir, ckpt["state"]))
+    for m in ("actor", "critic"):
+        ckpt[m], ckpt[f"{m}_opt"] = shards.get(m, {}).get("model"), shards.get(m, {}).get("optim")
+    return ckpt
 
 
 def print_summary(args):

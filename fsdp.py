@@ -154,6 +154,33 @@ def full_state(model, optimizer=None, lora=False):
     return msd, (get_optimizer_state_dict(model, optimizer, options=o) if stepped else None)
 
 
+def training_state(model, optimizer=None, lora=False, with_optimizer=None):
+    """This rank's share of model's trainable weights and of optimizer's state, as torch.distributed.checkpoint saves
+    and loads them: {"model": ..., "optim": ...} with DTensor shards under FSDP2 (whole tensors on one process),
+    keyed by parameter name, so that any number of ranks can load them. "optim" is left out for an optimizer that has
+    never stepped (see full_state); with_optimizer=True (a load's template for a checkpoint whose optimizer had
+    stepped) includes it anyway, creating the state the load then overwrites. lora: the adapters (+ critic head)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    o = StateDictOptions(ignore_frozen_params=lora)
+    msd = get_model_state_dict(model, options=o)
+    if lora:  # a tied (frozen) lm_head.weight slips through ignore_frozen_params
+        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in trainable}
+    state = {"model": msd}
+    if optimizer is not None and (with_optimizer or (with_optimizer is None and optimizer.state)):
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=o)
+    return state
+
+
+def set_training_state(model, optimizer, state, lora=False):
+    """Fill model (and optimizer, where state has "optim") from a loaded training_state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    o = StateDictOptions(strict=not lora)  # LoRA: the frozen base comes from --model
+    set_model_state_dict(model, state["model"], options=o)
+    if "optim" in state:
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=o)
+
+
 def load_state(model, optimizer, msd, osd, lora=False):
     """Fill model (and optimizer) from full_state's dicts, on every rank (sharded under FSDP2). osd None: the
     optimizer had never stepped and stays as it is (set_optimizer_state_dict would step it at lr 0, as full_state

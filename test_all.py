@@ -30,6 +30,7 @@ from env_frozenlake import FrozenLakeEnv, PRESETS as FROZENLAKE_PRESETS, has_pat
 from env_sokoban import SokobanEnv, PRESETS as SOKOBAN_PRESETS, solve
 import env_webshop as W
 import agent
+import checkpoint
 import collapse
 import eval as ev
 import models
@@ -3319,8 +3320,7 @@ def assert_same_as_one_process(one, two):
             assert (k in x) == (k in y), k
             if k in x:
                 assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), (x["step"], k)
-    wa = torch.load(os.path.join(one, "ckpt.pt"), weights_only=False)["actor"]
-    wb = torch.load(os.path.join(two, "ckpt.pt"), weights_only=False)["actor"]
+    wa, wb = checkpoint.read_state(one)["actor"], checkpoint.read_state(two)["actor"]
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
 
 
@@ -3473,7 +3473,7 @@ def test_lora_run_resume_two_ranks_and_export(tmp_path):
     # the rollout copy samples with the merged adapter (sampler log-probs == the peft actor's, on 1 and 2 ranks)
     # while the policy moved away from the reference (the base: the actor with its adapter off)
     assert all(m["rollout/sampler_logp_abs_diff"] < 1e-5 for m in a + c) and abs(a[1]["actor/kl_loss"]) > 1e-4
-    ck = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (full, part, two)]
+    ck = [checkpoint.read_state(d) for d in (full, part, two)]
     assert os.path.isdir(os.path.join(full, "hf", "adapter")) and not os.path.exists(os.path.join(part, "hf", "adapter"))
     assert all(".lora_" in k for k in ck[0]["actor"])  # the checkpoint holds adapters (+ the critic head), no base
     assert {k for k in ck[0]["critic"] if ".lora_" not in k} == {"head.weight", "head.bias"}
@@ -3493,7 +3493,7 @@ def test_lora_run_resume_two_ranks_and_export(tmp_path):
 def test_lora_sync_gathers_only_the_adapters(tmp_path):
     out = str(tmp_path / "two")
     run_train(*LORA, "--steps", "2", "--out", out, torchrun=2)
-    adapters = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]  # the actor's trainables: adapters
+    adapters = checkpoint.read_state(out)["actor"]  # the actor's trainables: adapters
     want = sum(v.numel() * 4 for v in adapters.values()) / 2**20
     assert [m["perf/sync_gathered_mb"] for m in read_metrics(out) if "perf/sync_gathered_mb" in m] == pytest.approx([want] * 2)
 
@@ -3892,10 +3892,10 @@ def test_a_checkpoint_in_the_critic_warmup_changes_nothing(tmp_path, ranks):
     run_train(*WARMUP, "--steps", "3", "--save-every", "1", "--out", saved, torchrun=ranks)
     run_train(*WARMUP, "--steps", "3", "--out", plain, torchrun=ranks)
     run_train(*WARMUP, "--steps", "2", "--save-every", "1", "--out", resumed, torchrun=ranks)  # both steps in the warm-up
-    warm = torch.load(os.path.join(resumed, "ckpt.pt"), weights_only=False)
+    warm = checkpoint.read_state(resumed)
     assert warm["step"] == 1 and not (warm["actor_opt"] or {}).get("state"), "a never-stepped AdamW saved with state"
     run_train(*WARMUP, "--steps", "3", "--resume", resumed, torchrun=ranks)
-    w = {d: torch.load(os.path.join(d, "ckpt.pt"), weights_only=False) for d in (saved, plain, resumed)}
+    w = {d: checkpoint.read_state(d) for d in (saved, plain, resumed)}
     for d in (saved, resumed):
         assert all(torch.equal(w[d]["actor"][k], w[plain]["actor"][k]) for k in w[plain]["actor"]), d
         assert all(torch.equal(w[d]["critic"][k], w[plain]["critic"][k]) for k in w[plain]["critic"]), d
@@ -4338,12 +4338,13 @@ def assert_same_run(a, b):
         assert x.keys() == y.keys()
         for k in x:
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
-    wa = torch.load(os.path.join(a, "ckpt.pt"), weights_only=False)["actor"]
-    wb = torch.load(os.path.join(b, "ckpt.pt"), weights_only=False)["actor"]
+    wa, wb = checkpoint.read_state(a)["actor"], checkpoint.read_state(b)["actor"]
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
     hf = load_file(os.path.join(b, "hf", "model.safetensors"))
     assert hf and all(torch.equal(hf[k], wb[k]) for k in hf)
     assert not LEFTOVERS & set(os.listdir(b))
+    state = torch.load(os.path.join(b, "ckpt.pt"), weights_only=False)["state"]  # its state directory, and no other
+    assert [d for d in os.listdir(b) if d.startswith("state-")] == [state]
 
 
 @pytest.mark.slow
@@ -4385,7 +4386,7 @@ def test_resume_repairs_what_a_kill_leaves(tmp_path, uninterrupted, damage):
     ms = read_metrics(out)
     assert [m["step"] for m in ms] == [0, 1, 2, 3, 4]  # the old final validation (step 3) replaced by step 3, then val
     assert [comparable(m) for m in ms[:3]] == [comparable(m) for m in read_metrics(ref)[:3]]
-    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    sd = checkpoint.read_state(out)
     assert sd["step"] == 3 and not LEFTOVERS & set(os.listdir(out))
     from safetensors.torch import load_file
     assert all(torch.equal(v, sd["actor"][k]) for k, v in load_file(os.path.join(out, "hf", "model.safetensors")).items())
@@ -4418,9 +4419,34 @@ def test_kill_at_random_instants_and_resume_equals_uninterrupted(tmp_path, unint
 
 
 @pytest.mark.slow
+def test_checkpoints_are_written_sharded_by_every_rank(tmp_path):
+    """ckpt.pt is small (step, args, RNG, monitor and the name of the state directory); the weights and AdamW states
+    of actor and critic are in a torch.distributed.checkpoint directory, each rank writing its own shard (about half
+    each on 2 ranks), never gathered on rank 0; hf/ holds the whole actor; checkpoint.read_state reads it all back."""
+    import checkpoint
+    out = str(tmp_path / "run")
+    run_train(*KILLED, "--steps", "2", "--out", out, torchrun=2)
+    states = [d for d in os.listdir(out) if d.startswith("state-")]
+    assert states == ["state-000002"], os.listdir(out)
+    shards = sorted(f for f in os.listdir(os.path.join(out, states[0])) if f.endswith(".distcp"))
+    sizes = [os.path.getsize(os.path.join(out, states[0], f)) for f in shards]
+    assert len(shards) == 2 and min(sizes) > 0.4 * sum(sizes), (shards, sizes)
+    assert os.path.getsize(os.path.join(out, "ckpt.pt")) < 50_000
+    st = checkpoint.read_state(out)
+    tiny = models.build_tiny("llama")[0]
+    n = sum(p.numel() for p in tiny.parameters())  # the tied embedding once; the state dict names it twice
+    assert st["step"] == 1 and {k: v.shape for k, v in st["actor"].items()} == {k: v.shape for k, v in tiny.state_dict().items()}
+    assert sum(v.numel() for v in st["critic"].values()) > n // 2 and len(st["actor_opt"]["state"]) == len(list(tiny.parameters()))
+    assert sum(sizes) > 4 * 3 * n  # actor and critic weights with their two AdamW moments, in fp32
+    from safetensors.torch import load_file
+    hf = load_file(os.path.join(out, "hf", "model.safetensors"))
+    assert all(torch.equal(hf[k], st["actor"][k]) for k in hf)
+
+
+@pytest.mark.slow
 def test_resume_across_world_sizes(tmp_path, uninterrupted):
     """A checkpoint written by 2 ranks resumes in 1 process, whose checkpoint resumes on 2 ranks again; the
-    result matches the 1-process run within the 2-rank tolerance (checkpoints hold full state dicts)."""
+    result matches the 1-process run within the 2-rank tolerance (each rank reads its shards of the state directory)."""
     ref, _ = uninterrupted
     out = str(tmp_path / "run")
     run_train(*KILLED, "--steps", "1", "--out", out, torchrun=2)
