@@ -202,16 +202,81 @@ def check_train_step(ctx):
             f"(torch.cuda.max_memory_allocated) against the plan's {plan.group(1)} GB")
 
 
-def check_decode_floor(ctx):
-    """10: decode speed against the bandwidth floor (CUDA: the paper's 128 rollout rows at context 1024); bench's
-    time_decode_floor prints its own line first."""
+def decode_line(ctx, name, batch, context):
+    """The decode lines: tokens/s of `batch` rows at `context` tokens against the bandwidth floor of that shape (bench's
+    time_decode_floor prints its own line first); on the CPU the tiny model reports, with no floor to hold it to."""
     cuda, bandwidth, floor_fraction = ctx["cuda"], ctx["bandwidth"], ctx["floor_fraction"]
-    batch, context = (128, 1024) if cuda else (8, 64)
+    torch._dynamo.reset()  # the lines before compiled other models and shapes; past its recompile limit dynamo runs eager
     per_step, floor = bench.time_decode_floor(ctx["decoder"], batch, context, 32, ctx["device"], bandwidth)
-    return ("decode vs floor", floor / per_step >= floor_fraction if cuda else None,
+    return (name, floor / per_step >= floor_fraction if cuda else None,
             f"{batch / per_step:,.0f} tok/s, {floor / per_step:.0%} of the {bandwidth / 1e12:.2f} TB/s floor" +
             (f" (want >= {floor_fraction:.0%}: without CUDA graphs the kernel launches alone take several times the floor)"
              if cuda else " (no floor to hold a CPU to)"))
+
+
+def check_decode_floor(ctx):
+    """10: decode speed against the bandwidth floor at the paper's 128 rollout rows, context 1024 (CPU: 8 rows, 64)."""
+    return decode_line(ctx, "decode vs floor", *((128, 1024) if ctx["cuda"] else (8, 64)))
+
+
+def check_decode_rank_shape(ctx):
+    """11: the same at one rank's share of the 8-GPU default (8 groups x 16 = 128 rows over 8 ranks: 16 rows) at a
+    3,072-token context (the default --max-context is 3,600): few rows, so the weights are most of the step's read,
+    and long K/V rows (CPU: 16 rows at 192, the context cut by 16 as the line above cuts it)."""
+    return decode_line(ctx, "decode 16 rows, 3k", *((16, 3072) if ctx["cuda"] else (16, 192)))
+
+
+def check_torchrun_resume(ctx):
+    """12: train.py on torchrun ranks, NCCL on CUDA: torchrun_resume below on min(2, GPUs) ranks. Not run on the CPU,
+    where its three launches of 2 gloo ranks take minutes (docs/sampler.md); the suite runs that form
+    (test_torchrun_resume_check_on_two_gloo_ranks), and its CPU twins are test_two_ranks_match_one_process (2 gloo
+    ranks against 1 process), test_resume_across_world_sizes (a checkpoint of 2 ranks resumed on 1 and back) and
+    test_kill_at_random_instants_and_resume_equals_uninterrupted (resumes within one world size)."""
+    if not ctx["cuda"]:
+        return ("torchrun, resume", None, "not run on the CPU (three torchrun launches, minutes there); the suite runs "
+                "it on 2 gloo ranks (test_torchrun_resume_check_on_two_gloo_ranks)")
+    import tempfile
+    return ("torchrun, resume", *torchrun_resume("cuda", min(2, torch.cuda.device_count()), tempfile.mkdtemp()))
+
+
+def torchrun_resume(device, ranks, out):
+    """train.py (tiny model, PPO) on `ranks` torchrun ranks of `device` (NCCL on CUDA, gloo in fp32 on the CPU), its runs
+    under the directory `out`. Run A takes 2 steps with a checkpoint after each; run B takes 1, then resumes (--resume)
+    to 2. Returns (ok, detail), ok when B's metrics (timing and perf keys aside) and final actor weights are A's:
+    exactly on 1 rank; on 2 within the suite's 2-rank tolerance (test_all.py's assert_same_as_one_process: metrics to
+    1e-3 relative, weights to 1e-4)."""
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+    a, b = os.path.join(out, "a"), os.path.join(out, "b")
+    flags = ["--model", "tiny", "--device", device, *(["--dtype", "fp32"] if device == "cpu" else []), "--env", "frozenlake",
+             "--algo", "ppo", "--num-groups", "2", "--group-size", "2", "--filter-ratio", "1", "--mini-batch-size", "4",
+             "--micro-batch-size", "2", "--max-new-tokens", "12", "--max-turns", "2", "--lr", "1e-3", "--critic-lr", "1e-3",
+             "--val-every", "0", "--collapse-every", "0", "--log-trajectories-every", "0", "--save-every", "1"]
+    # a launcher's variables would make the ranks join the wrong group; --standalone picks its own free port
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                         "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
+    for more in (["--steps", "2", "--out", a], ["--steps", "1", "--out", b], ["--steps", "2", "--resume", b]):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                            os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *flags, *more],
+                           capture_output=True, text=True, env=dict(env, PYTHONUNBUFFERED="1"))
+        if r.returncode:
+            return False, (f"{ranks} ranks, {' '.join(more[:3])}: exit {r.returncode}: " +
+                           (r.stdout[-800:] + r.stderr[-1500:]).replace("\n", " | "))
+    ma, mb = ([{k: v for k, v in json.loads(l).items() if not k.startswith(("timing_s/", "perf/"))}
+               for l in open(os.path.join(d, "metrics.jsonl"))] for d in (a, b))
+    wa, wb = (torch.load(os.path.join(d, "ckpt.pt"), map_location="cpu", weights_only=False)["actor"] for d in (a, b))
+    moved = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa) if wa.keys() == wb.keys() else math.inf
+    same = [m.keys() for m in ma] == [m.keys() for m in mb]
+    off = sorted({k for x, y in zip(ma, mb) for k in x if k in y and x[k] != y[k] and not (
+        ranks > 1 and isinstance(x[k], (int, float)) and math.isclose(x[k], y[k], rel_tol=1e-3, abs_tol=1e-5))})
+    return (same and not off and (moved == 0 if ranks == 1 else moved < 1e-4),
+            f"{ranks} {'NCCL' if device == 'cuda' else 'gloo'} rank{'s' if ranks > 1 else ''}, 2 steps against 1 + a resume "
+            f"to 2: metrics {'the same' if same and not off else 'different: ' + ', '.join(off[:5] or ['their keys'])}"
+            f"{' (within 1e-3)' if ranks > 1 else ''}, actor weights "
+            f"{'identical' if moved == 0 else f'apart by {moved:.1e}'}{' (want < 1e-4)' if ranks > 1 else ''}")
 
 
 def main(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
@@ -219,7 +284,7 @@ def main(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     ctx, fails = context(device, layers, bandwidth, floor_fraction), 0
     for check in (check_compiled_matches_eager, check_graphs_and_recompiles, check_sdpa_kernel, check_fp32_logits,
                   check_sdpa_output_layout, check_fake_cuda_trace, check_noise_bits, check_host_syncs, check_train_step,
-                  check_decode_floor):
+                  check_decode_floor, check_decode_rank_shape, check_torchrun_resume):
         name, ok, detail = check(ctx)  # ok None: nothing to check on this device, the line only reports
         fails += ok is False
         print(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'}  {name:24s} {detail}", flush=True)

@@ -2907,16 +2907,26 @@ def test_decode_loop_syncs_the_host_once_per_check(tiny):
 
 @pytest.mark.slow
 def test_gpu_check_runs_on_the_cpu_with_the_emulations():
-    # gpu_check.py off a GPU (bench.py --gpu-check runs the same): the same ten checks, CUDA graphs and SDPA's CUDA
+    # gpu_check.py off a GPU (bench.py --gpu-check runs the same): the same twelve checks, CUDA graphs and SDPA's CUDA
     # layout emulated, the tiny model; exit 0 = no FAIL. Peak memory and the bandwidth floor have nothing to hold a CPU
-    # to: those two lines only report
+    # to: those three lines only report; the torchrun line runs on CUDA only (its CPU form is the test below)
     r = subprocess.run([sys.executable, os.path.join(HERE, "gpu_check.py")], capture_output=True, text=True,
                        cwd=HERE, env=dict(train_env(), CUDA_VISIBLE_DEVICES=""), timeout=600)
     lines = [(l[:4], l[6:30].strip()) for l in r.stdout.splitlines() if l.startswith(("PASS", "FAIL", "INFO"))]
     assert r.returncode == 0 and lines == [
         ("PASS", "compiled == eager"), ("PASS", "graphs, recompiles"), ("PASS", "SDPA kernel"), ("PASS", "fp32 logits"),
         ("PASS", "SDPA output layout"), ("PASS", "fake-CUDA trace"), ("PASS", "noise bits"), ("PASS", "host syncs / token"),
-        ("INFO", "train.py step"), ("INFO", "decode vs floor")], r.stdout + r.stderr[-3000:]
+        ("INFO", "train.py step"), ("INFO", "decode vs floor"), ("INFO", "decode 16 rows, 3k"), ("INFO", "torchrun, resume")
+    ], r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_resume_check_on_two_gloo_ranks(tmp_path):
+    # gpu_check.py's torchrun line, which runs only on CUDA (NCCL), in its CPU form: 2 gloo ranks, 2 steps against 1
+    # step and a resume to 2, the same metrics and weights within the 2-rank tolerance
+    import gpu_check
+    ok, detail = gpu_check.torchrun_resume("cpu", 2, str(tmp_path))
+    assert ok, detail
 
 
 
