@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 #  - sampling inside the compiled step: Gumbel-max noise is ~13 int64 ops and a log_softmax over
 #    [B, V=151,936]; fused, it is one pass over the logits instead of ~23 eager passes.
 # The host never waits for the GPU inside a turn except every `check_every` tokens.
-# CUDA graphs have two rules the code below keeps (bench.py emulates both on the CPU, and the tests run every
+# CUDA graphs have two rules the code below keeps (gpu_check.py emulates both on the CPU, and the tests run every
 # compiled path under the emulations): a compiled call's outputs live in buffers that the next compiled call
 # reuses, so each output is cloned before anything else runs (as gpt-fast's generate.py does); and a graph
 # with a CPU tensor input is run without CUDA graphs, so no Python float goes into a compiled call (dynamo
@@ -40,7 +40,7 @@ _COMPILED = {}
 class Sampler(NamedTuple):
     """How the sampler runs. static: fixed batch, capacity and key-length buckets (what CUDA graphs need);
     compile: a torch.compile backend for the static path's sampler and decode step, None = eager ("inductor"
-    on CUDA means mode="reduce-overhead": CUDA graphs; bench.py's emulations are backends too);
+    on CUDA means mode="reduce-overhead": CUDA graphs; gpu_check.py's emulations are backends too);
     check_every: decode tokens between host checks of "all rows done" (each check is a device sync)."""
     static: bool = False
     compile: object = None
@@ -143,7 +143,7 @@ def forward_cached(model, k_cache, v_cache, lens, ids, n, end):
     cos, sin = m.rotary_emb(h, pos)
     # The mask, built once for every layer: causal + own row, folded like the queries (row g*T+t is query t of
     # head g), additive in the compute dtype so SDPA does not convert a bool mask in each layer. SDPA kernels: an
-    # explicit mask rules out flash on CUDA; the memory-efficient kernel takes it (bench.py --gpu-check says which
+    # explicit mask rules out flash on CUDA; the memory-efficient kernel takes it (gpu_check.py says which
     # ran), else math (fp32 scores, [G*T, end] per head materialised). The CPU takes its fused flash kernel.
     allowed = torch.arange(end, device=ids.device) <= pos[:, :, None]           # [B, T, end]
     mask = torch.zeros(B, 1, T, end, dtype=h.dtype, device=ids.device).masked_fill_(~allowed[:, None], float("-inf"))

@@ -6,8 +6,8 @@
 Grouped by concept: environments, StarPO maths, models and sampler, training, checkpoints and resume, evaluation
 and plots, supervised warm-up. Each section tests its file against an independent reference: hand-worked cases,
 slow plain-Python loops, a brute-force solver, a full-recompute sampler, a 1-process run for the 2-process torchrun
-run. Tests marked `slow` (pytest.ini) start train.py, eval.py, sft.py, bench.py or torchrun, or build the paper's
-model shape.
+run. Tests marked `slow` (pytest.ini) start train.py, eval.py, sft.py, bench.py, gpu_check.py or torchrun, or build
+the paper's model shape.
 """
 import itertools
 import json
@@ -2120,13 +2120,13 @@ def test_gumbel_sampler_draws_from_the_softmax_and_nucleus():
 
 def test_sampler_noise_is_splitmix64_of_the_key_and_the_vocab_index():
     # the counter-based RNG against an independent reference: splitmix64's finaliser in Python's unbounded ints
-    # (bench.splitmix64, which --gpu-check holds CUDA to), and the Gumbel-max draw written out of place; the sampler
+    # (gpu_check.splitmix64, which gpu_check.py holds CUDA to), and the Gumbel-max draw written out of place; the sampler
     # computes it in place, and must leave its inputs alone
-    import bench
-    mix = lambda z: bench.splitmix64(z) % 2 ** 64  # on an unsigned 64-bit int
+    import gpu_check
+    mix = lambda z: gpu_check.splitmix64(z) % 2 ** 64  # on an unsigned 64-bit int
     keys = torch.tensor([0, 1, -1, 2 ** 62 + 12345, -(2 ** 63), 987654321])
     kept = keys.clone()
-    assert sampler.mix64(keys).tolist() == [bench.splitmix64(k) for k in keys.tolist()]
+    assert sampler.mix64(keys).tolist() == [gpu_check.splitmix64(k) for k in keys.tolist()]
     logits = torch.randn(len(keys), 50, generator=torch.Generator().manual_seed(0)) * 3   # [B, V]
     logits_kept = logits.clone()
     tok, lp = sampler.sample_next(logits, keys, temperature=0.7)
@@ -2747,7 +2747,7 @@ def test_cuda_decode_runs_on_the_memory_efficient_sdpa_kernel():
     assert all(len(t) == 16 for t in toks)
 
 
-# ------------------------------------------------------------- CUDA graphs emulated on the CPU (bench.py's backends)
+# ------------------------------------------------------------- CUDA graphs emulated on the CPU (gpu_check.py's backends)
 def emulated_rollout(model, tok, sampler=None, seeds=(5, 5, 6, 6), **kw):
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     return rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset,
@@ -2758,13 +2758,13 @@ def emulated_rollout(model, tok, sampler=None, seeds=(5, 5, 6, 6), **kw):
 def test_compiled_sampler_never_reads_an_output_after_the_next_compiled_call(monkeypatch, tiny):
     # a CUDA-graph replay reuses its output buffers (graph trees free them as the next compiled call starts): under
     # the emulation every compiled path (sample_next after the prefill, decode_step) must give the eager tokens
-    import bench
+    import gpu_check
     model, tok = tiny
     torch._dynamo.reset()
     monkeypatch.setattr(sampler, "_POOL", {})
     monkeypatch.setattr(sampler, "_COMPILED", {})
     eager = emulated_rollout(model, tok)
-    replay = bench.GraphReplayBackend()
+    replay = gpu_check.GraphReplayBackend()
     fast = emulated_rollout(model, tok, sampler.Sampler(static=True, compile=replay, check_every=8))
     assert replay.graphs >= 2 and replay.calls > 20  # both functions compiled, every token through them
     assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
@@ -2779,12 +2779,12 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
     # float whose value changes (the temperature: validation 0.5, training 1.0). Several steps of validation +
     # training, several turns each: every graph is free of such inputs, sample_next compiles once, and decode_step
     # at most twice (dynamo makes the key length symbolic on its second bucket)
-    import bench
+    import gpu_check
     model, tok = tiny
     torch._dynamo.reset()
     monkeypatch.setattr(sampler, "_POOL", {})
     monkeypatch.setattr(sampler, "_COMPILED", {})
-    rec = bench.RecordingBackend(bench.GraphReplayBackend())
+    rec = gpu_check.RecordingBackend(gpu_check.GraphReplayBackend())
     how = sampler.Sampler(static=True, compile=rec, check_every=8)
     for step in range(3):
         for temperature in (0.5, 1.0):  # validation, then training
@@ -2798,16 +2798,16 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
 
 def cuda_layout_sdpa(real):
     """F.scaled_dot_product_attention with the output layout of CUDA's memory-efficient and flash kernels
-    (bench.cuda_layout; test_cuda_efficient_attention_returns_a_transposed_view pins it to the meta kernel)."""
-    import bench
-    return lambda *a, **k: bench.cuda_layout(real(*a, **k))
+    (gpu_check.cuda_layout; test_cuda_efficient_attention_returns_a_transposed_view pins it to the meta kernel)."""
+    import gpu_check
+    return lambda *a, **k: gpu_check.cuda_layout(real(*a, **k))
 
 
 @pytest.mark.parametrize("path", ["eager", "static", "compiled", "no-kv-reuse", "generate"])
 def test_sampler_samples_the_same_under_cuda_sdpa_output_layout(monkeypatch, tiny, path):
     # every sampler path, with SDPA returning CUDA's strides, samples the tokens and log-probs of the CPU layout;
     # "compiled" runs under the CUDA-graph emulation, the rollouts are multi-turn (KV reuse, except "no-kv-reuse")
-    import bench
+    import gpu_check
     model, tok = tiny
     how = dict(eager=None, static=sampler.Sampler(static=True), compiled="replay").get(path)
     outs = []
@@ -2818,7 +2818,7 @@ def test_sampler_samples_the_same_under_cuda_sdpa_output_layout(monkeypatch, tin
         if patch:
             monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                                 cuda_layout_sdpa(torch.nn.functional.scaled_dot_product_attention))
-        s = sampler.Sampler(static=True, compile=bench.GraphReplayBackend(), check_every=8) if how == "replay" else how
+        s = sampler.Sampler(static=True, compile=gpu_check.GraphReplayBackend(), check_every=8) if how == "replay" else how
         if path == "generate":
             prompts = [tok.encode(t, add_special_tokens=False) for t in ["one", "two two", "three three three"]]
             toks, lps = sampler.generate(model, prompts, 10, temperature=0.7, seed=2)
@@ -2833,26 +2833,26 @@ def test_sampler_samples_the_same_under_cuda_sdpa_output_layout(monkeypatch, tin
 def test_cuda_efficient_attention_returns_a_transposed_view():
     # the layout cuda_layout_sdpa emulates, read off the installed torch's meta kernel for CUDA's memory-efficient
     # attention (the kernel a masked SDPA runs on a GPU) on fake CUDA tensors: a torch that changes it fails here
-    import bench
+    import gpu_check
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q = torch.empty(2, 2, 112, 64, dtype=torch.bfloat16, device="cuda")       # [B, KV, G*T, D]
         kv = torch.empty(2, 2, 128, 64, dtype=torch.bfloat16, device="cuda")      # [B, KV, S, D]
         mask = torch.empty(2, 1, 112, 128, dtype=torch.bfloat16, device="cuda")
         out = torch.ops.aten._scaled_dot_product_efficient_attention(q, kv, kv, mask, False)[0]
-        emulated = bench.cuda_layout(torch.empty(2, 2, 112, 64))
+        emulated = gpu_check.cuda_layout(torch.empty(2, 2, 112, 64))
     assert out.shape == (2, 2, 112, 64) and out.stride() == emulated.stride() == (14336, 64, 128, 1)
 
 
-# ------------------------------------------------------------- the CUDA path on fake CUDA tensors (bench.fake_cuda_trace)
+# ------------------------------------------------------------- the CUDA path on fake CUDA tensors (gpu_check.fake_cuda_trace)
 @pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
 def test_cuda_path_traces_on_fake_cuda_tensors(arch):
     # the sampler (bf16 rollout model) and the update's forward (fp32 weights under bf16 autocast, and FSDP2's bf16
     # parameters) on fake CUDA tensors, SDPA as CUDA's efficient kernel: every tensor on the device, in the dtype
     # CUDA's kernels take, under the efficient kernel's output layout (a fake CUDA SDPA left alone decomposes into
-    # math on a CPU-only torch, with a contiguous output, hence bench.efficient_sdpa)
-    import bench
-    seen = bench.fake_cuda_trace(arch, T=24)
+    # math on a CPU-only torch, with a contiguous output, hence gpu_check.efficient_sdpa)
+    import gpu_check
+    seen = gpu_check.fake_cuda_trace(arch, T=24)
     V = models.build_tiny(arch)[0].config.vocab_size
     assert seen["logits"] == seen["shared_logits"] == ((3, V), torch.float32, "cuda")  # mm(..., out_dtype=fp32)
     assert seen["token"] == seen["greedy"] == ((3,), torch.long, "cuda") and seen["logp"] == ((3,), torch.float32, "cuda")
@@ -2867,40 +2867,40 @@ def test_cuda_path_traces_on_fake_cuda_tensors(arch):
 
 def test_fake_cuda_trace_catches_device_dtype_and_layout_faults():
     # what the trace is for: a tensor made on the CPU, a dtype CUDA's kernel refuses, a .view of a kernel's output
-    import bench
+    import gpu_check
     model = models.build_tiny()[0]
-    with bench.fake_cuda():
+    with gpu_check.fake_cuda():
         with pytest.raises(RuntimeError, match="same device"):  # sampling keys made without device=
             sampler.sample_next(torch.zeros(2, 50, device="cuda"), torch.arange(2))
-        model = bench.fake_cuda_model(model, torch.bfloat16)
+        model = gpu_check.fake_cuda_model(model, torch.bfloat16)
         k, v = ([torch.zeros(2, 2, 16, 16, device="cuda") for _ in model.model.layers] for _ in range(2))  # fp32 cache
         with pytest.raises((RuntimeError, AssertionError), match="dtype"), torch.no_grad():
             sampler.forward_cached(model, k, v, torch.zeros(2, dtype=torch.long, device="cuda"),
                                    torch.zeros(2, 8, dtype=torch.long, device="cuda"), torch.full((2,), 8, device="cuda"), 8)
         q = torch.empty(2, 2, 16, 16, dtype=torch.bfloat16, device="cuda")                       # [B, H, L, D]
         with pytest.raises(AssertionError, match="mask in torch.float32"):  # "invalid dtype for bias" on CUDA
-            bench.efficient_sdpa(q, q, q, attn_mask=torch.zeros(2, 1, 16, 16, device="cuda"))
-        out = bench.efficient_sdpa(q, q, q)
+            gpu_check.efficient_sdpa(q, q, q, attn_mask=torch.zeros(2, 1, 16, 16, device="cuda"))
+        out = gpu_check.efficient_sdpa(q, q, q)
         with pytest.raises((RuntimeError, ValueError), match="view"):  # fine on a contiguous CPU output
             out.view(2, 2, 256)
 
 
 def test_decode_loop_syncs_the_host_once_per_check(tiny):
     # on CUDA each host read of tensor data (bool(), .tolist(), nonzero, a sorting isin) waits for the GPU: the decode
-    # loop makes one per check_every tokens, with and without a turn cut (stop_at), counted by bench.HostSyncs
-    import bench
+    # loop makes one per check_every tokens, with and without a turn cut (stop_at), counted by gpu_check.HostSyncs
+    import gpu_check
     model, tok = tiny
-    assert bench.decode_syncs_per_token(model, "cpu", every=8) == 1 / 8
+    assert gpu_check.decode_syncs_per_token(model, "cpu", every=8) == 1 / 8
     stop_at = rollout.answer_end(tok, "<answer>", False)  # random weights never close the tag: rows run to budget
 
     def syncs(n):
         cache = sampler.KVCache(model, 4, 128)
-        with bench.HostSyncs() as h:
+        with gpu_check.HostSyncs() as h:
             sampler.sample_turn(model, cache, [[5, 6, 7], [8, 9], [10], [11, 12]], n, (), sampler.row_keys(range(4)),
                                 sampler=sampler.Sampler(check_every=8), stop_at=stop_at)
         return h.count
     assert (syncs(48) - syncs(16)) / 32 == 1 / 8
-    with bench.HostSyncs() as h:  # what it counts: reads, data-sized outputs, isin only where torch sorts
+    with gpu_check.HostSyncs() as h:  # what it counts: reads, data-sized outputs, isin only where torch sorts
         x = torch.arange(6)
         bool(x.any()), x.tolist(), x[x > 2], x.nonzero(), torch.isin(x, torch.tensor([1, 2])), torch.isin(x, torch.arange(30))
     assert h.count == 5
@@ -2908,15 +2908,26 @@ def test_decode_loop_syncs_the_host_once_per_check(tiny):
 
 @pytest.mark.slow
 def test_gpu_check_runs_on_the_cpu_with_the_emulations():
-    # bench.py --gpu-check off a GPU: the same ten checks, CUDA graphs and SDPA's CUDA layout emulated, the tiny model;
-    # exit 0 = no FAIL. Peak memory and the bandwidth floor have nothing to hold a CPU to: those two lines only report
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check"], capture_output=True, text=True,
+    # gpu_check.py off a GPU (bench.py --gpu-check runs the same): the same twelve checks, CUDA graphs and SDPA's CUDA
+    # layout emulated, the tiny model; exit 0 = no FAIL. Peak memory and the bandwidth floor have nothing to hold a CPU
+    # to: those three lines only report; the torchrun line runs on CUDA only (its CPU form is the test below)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "gpu_check.py")], capture_output=True, text=True,
                        cwd=HERE, env=dict(train_env(), CUDA_VISIBLE_DEVICES=""), timeout=600)
     lines = [(l[:4], l[6:30].strip()) for l in r.stdout.splitlines() if l.startswith(("PASS", "FAIL", "INFO"))]
     assert r.returncode == 0 and lines == [
         ("PASS", "compiled == eager"), ("PASS", "graphs, recompiles"), ("PASS", "SDPA kernel"), ("PASS", "fp32 logits"),
         ("PASS", "SDPA output layout"), ("PASS", "fake-CUDA trace"), ("PASS", "noise bits"), ("PASS", "host syncs / token"),
-        ("INFO", "train.py step"), ("INFO", "decode vs floor")], r.stdout + r.stderr[-3000:]
+        ("INFO", "train.py step"), ("INFO", "decode vs floor"), ("INFO", "decode 16 rows, 3k"), ("INFO", "torchrun, resume")
+    ], r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_resume_check_on_two_gloo_ranks(tmp_path):
+    # gpu_check.py's torchrun line, which runs only on CUDA (NCCL), in its CPU form: 2 gloo ranks, 2 steps against 1
+    # step and a resume to 2, the same metrics and weights within the 2-rank tolerance
+    import gpu_check
+    ok, detail = gpu_check.torchrun_resume("cpu", 2, str(tmp_path))
+    assert ok, detail
 
 
 
