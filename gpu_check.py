@@ -267,7 +267,8 @@ def torchrun_resume(device, ranks, out):
                            (r.stdout[-800:] + r.stderr[-1500:]).replace("\n", " | "))
     ma, mb = ([{k: v for k, v in json.loads(l).items() if not k.startswith(("timing_s/", "perf/"))}
                for l in open(os.path.join(d, "metrics.jsonl"))] for d in (a, b))
-    wa, wb = (torch.load(os.path.join(d, "ckpt.pt"), map_location="cpu", weights_only=False)["actor"] for d in (a, b))
+    import checkpoint
+    wa, wb = (checkpoint.read_state(d)["actor"] for d in (a, b))
     moved = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa) if wa.keys() == wb.keys() else math.inf
     same = [m.keys() for m in ma] == [m.keys() for m in mb]
     off = sorted({k for x, y in zip(ma, mb) for k in x if k in y and x[k] != y[k] and not (
