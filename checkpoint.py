@@ -56,8 +56,8 @@ def open_run(args):
         ckpt_path = os.path.join(args.resume, "ckpt.pt")
         if not os.path.exists(ckpt_path):
             raise ValueError(f"--resume {args.resume}: no ckpt.pt there")
-        # small (the weights are in its state directory); mmap: a checkpoint of the full-state format, whose file holds
-        # every weight, is mapped once in the page cache for all ranks
+        # small (the weights are in its state directory); mmap: a ckpt.pt that holds full state dicts itself is
+        # mapped once in the page cache for all ranks
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
         if ckpt["step"] >= args.steps:
             raise ValueError(f"--resume {args.resume}: its checkpoint is at step {ckpt['step']}; --steps {args.steps} "
@@ -208,7 +208,7 @@ def torch_save(obj, f):
 def load_checkpoint(args, ckpt, actor, opt, critic, critic_opt):
     """Fill the actor, the critic (None: none) and their optimisers, and the torch RNG, from open_run's checkpoint
     ckpt (None: a fresh run), on every rank: each reads its own share of the state directory, whatever the number of
-    ranks that wrote it (a ckpt.pt of the full-state format holds the weights itself). Returns (the first step to run,
+    ranks that wrote it (or from full state dicts in ckpt.pt itself). Returns (the first step to run,
     the collapse indicators and stop counters, checkpointed with the run)."""
     if ckpt is None:
         return 0, {"early_std": [], "early_entropy": [], "grad_norms": [], "skipped": 0}
