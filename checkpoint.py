@@ -11,7 +11,6 @@ to state-<N>/, writes ckpt.pt.tmp and hf.tmp, renames hf -> hf.old, hf.tmp -> hf
 commit), and removes the older state directory; clean_interrupted_checkpoint undoes what a kill half-way left
 behind. A resumed run drops the metrics lines written after its checkpoint.
 """
-import importlib.util
 import json
 import os
 import platform
@@ -256,9 +255,9 @@ def read_state(run_dir):
     return ckpt
 
 
-def print_summary(args):
+def print_summary(args, plot=None):
     """The end of a run (rank 0): what moved on the held-out validation seeds (first and last validation in
-    metrics.jsonl), where the run's files are, what to run next."""
+    metrics.jsonl), where the run's files are (plot: the curves' PNG if one was drawn), what to run next."""
     o, key = args.out, f"val-env/{args.val_env[0]}/success"
     vals = [v for v in map(json.loads, open(os.path.join(o, "metrics.jsonl"))) if key in v]
     if len(vals) > 1:
@@ -270,10 +269,6 @@ def print_summary(args):
             print(f"  {e}: success {a[f'val-env/{e}/success']:.3f} -> {b[f'val-env/{e}/success']:.3f} | score "
                   f"{a[f'val-env/{e}/score']:.3f} -> {b[f'val-env/{e}/score']:.3f} | format-valid turns "
                   f"{ok(a, e)} -> {ok(b, e)}")
-    plot = None
-    if args.demo and importlib.util.find_spec("matplotlib"):
-        from eval import plot_run
-        plot = plot_run(o)
     print(f"\nrun directory {o}:\n  metrics.jsonl   one line of metrics per step; curves: {plot or f'python eval.py --plot {o}'}\n"
           f"  *.jsonl         sample trajectories, every --log-trajectories-every {args.log_trajectories_every} steps")
     if os.path.isdir(os.path.join(o, "hf")):

@@ -900,7 +900,11 @@ def main(argv=None):
     except OSError as e:  # a file that could not be written (a full disk): the last checkpoint stays whole
         die(e)
     if rank == 0:
-        checkpoint.print_summary(args)
+        plot = None
+        if args.demo and importlib.util.find_spec("matplotlib"):  # the demo draws its curves (eval.py --plot)
+            from eval import plot_run
+            plot = plot_run(args.out)
+        checkpoint.print_summary(args, plot)
     if st.wandb_run is not None:
         st.wandb_run.finish()
     if ddp:  # the ranks leave together (as sft.py's do): a gloo rank that tears down while rank 0 is still writing its
