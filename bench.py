@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import agent
 import rollout
 import sampler
 import starpo
@@ -126,6 +127,12 @@ def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0, repeats=3):
     return times
 
 
+def loop_settings(preset, **fields):
+    """rollout()'s settings for a timing: agent.agent_settings of `preset` (a dict) with no flags, a 4096-token context
+    and sample seed 0, then `fields`."""
+    return agent.agent_settings(preset, {}, **dict(dict(max_context=4096, sample_seed=0), **fields))
+
+
 def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
     """A multi-turn Sokoban rollout, with the KV cache kept across turns vs the whole history re-prefilled
     (interleaved repeats)."""
@@ -133,8 +140,8 @@ def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
     preset = PRESETS["SimpleSokoban"]
     seeds = [i // group_size for i in range(batch)]
     run = lambda reuse, n_turns, n_tok: rollout.rollout(
-        model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
-        max_turns=n_turns, max_new_tokens=n_tok, kv_reuse=reuse, sample_seed=0)
+        model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds,
+        loop_settings(preset, max_turns=n_turns, max_new_tokens=n_tok, kv_reuse=reuse), group_size=group_size)
     run(True, 1, 2)  # warm-up
     times, outs = interleaved({"reuse": lambda: run(True, turns, turn_tokens),
                                "re-prefill": lambda: run(False, turns, turn_tokens)}, repeats)
@@ -156,8 +163,9 @@ def time_answer_cut(model, tok, batch, group_size, turns, turn_tokens, repeats=3
     preset = PRESETS["CoordFrozenLakeDet"]
     seeds = [i // group_size for i in range(batch)]
     run = lambda cut, n_turns, n_tok: rollout.rollout(
-        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
-        max_turns=n_turns, max_actions_per_turn=4, max_new_tokens=n_tok, think=False, stop_at_answer=cut, sample_seed=0)
+        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(batch)], seeds,
+        loop_settings(preset, max_turns=n_turns, max_actions_per_turn=4, max_new_tokens=n_tok, think=False, stop_at_answer=cut),
+        group_size=group_size)
     run(True, 1, 2)  # warm-up
     times, outs = interleaved({"cut": lambda: run(True, turns, turn_tokens),
                                "uncut": lambda: run(False, turns, turn_tokens)}, repeats)
@@ -189,8 +197,8 @@ def time_prefill_buckets(model, tok, prompts, new_tokens, group_size, turns, tur
     cases = {"sampler": lambda: sampler.generate(model, prompts, new_tokens, stop_ids=(), seed=0)}
     if tok is not None:
         cases["multi-turn"] = lambda: rollout.rollout(
-            model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(B)], [i // group_size for i in range(B)], preset,
-            group_size=group_size, max_turns=turns, max_new_tokens=turn_tokens, sample_seed=0)
+            model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(B)], [i // group_size for i in range(B)],
+            loop_settings(preset, max_turns=turns, max_new_tokens=turn_tokens), group_size=group_size)
     every = {}
     for name, fn in cases.items():
         for m in (bucketed, 1):  # warm-up (on CUDA: compilation and graph capture)
@@ -211,8 +219,9 @@ def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, ro
     from env_sokoban import PRESETS, SokobanEnv
     preset = PRESETS["SimpleSokoban"]
     seeds = [i // group_size for i in range(batch)]
-    run = lambda **kw: rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset,
-                                       group_size=group_size, max_turns=turns, max_new_tokens=turn_tokens, sample_seed=0, **kw)
+    run = lambda **kw: rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds,
+                                       loop_settings(preset, max_turns=turns, max_new_tokens=turn_tokens, **kw),
+                                       group_size=group_size)
     cfgs = {"full, KV kept": {}, "full, re-prefill every turn": dict(kv_reuse=False),
             f"limited_multi_turn, window {window}": dict(window=window, window_mode="limited_multi_turn"),
             f"limited_multi_turn, window {window}, re-prefill": dict(window=window, window_mode="limited_multi_turn", kv_reuse=False),
@@ -232,8 +241,8 @@ def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, ro
     from env_sokoban import PRESETS, SokobanEnv
     preset = PRESETS["SimpleSokoban"]
     out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)],
-                          [i // group_size for i in range(batch)], preset, group_size=group_size, max_turns=turns,
-                          max_new_tokens=turn_tokens, sample_seed=0)
+                          [i // group_size for i in range(batch)],
+                          loop_settings(preset, max_turns=turns, max_new_tokens=turn_tokens), group_size=group_size)
     tokens, am, lm = out["tokens"], out["attention_mask"], out["loss_mask"]  # [B, T] each
     times, lps = {}, {}
     for _ in range(rounds):
@@ -830,9 +839,10 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     # 1, 2: the compiled static sampler against eager, then validation (T=0.5) and training (T=1.0) for 3 steps
     model, tok = models.load_model("tiny", device=device)  # fp32: compiled and eager agree to the token
     preset = PRESETS["FrozenLake"]
-    run = lambda sampler, seeds=(5, 5, 6, 6), **kw: rollout.rollout(
-        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset, group_size=2, max_turns=3,
-        max_new_tokens=16, max_context=1200, think=False, top_p=0.95, sample_seed=4, sampler=sampler, **kw)
+    run = lambda sampler, seeds=(5, 5, 6, 6), temperature=None: rollout.rollout(
+        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds),
+        loop_settings(preset, max_turns=3, max_new_tokens=16, max_context=1200, think=False, top_p=0.95, sample_seed=4),
+        group_size=2, temperature=temperature, sampler=sampler)
     torch._dynamo.reset()
     counters.clear()
     rec = RecordingBackend(GraphReplayBackend())

@@ -72,7 +72,7 @@ def solver_agreement(out, preset_key, settings, seeds, group_size, split=None):
     env is replayed from the episode's seed with each turn's parsed actions, stepped as rollout steps them (step_env
     within the episode's action budget); a replay that ends otherwise than the episode raises RuntimeError."""
     cls, _, module = agent.ENV_CLASSES[preset_key]
-    preset, result = settings["preset"], []
+    preset, result = settings.preset, []
     for b, turns in enumerate(out["responses"]):
         env = cls(**preset["kwargs"])
         member = dict(member=b % group_size) if preset.get("seed_per_member") else {}  # as rollout resets it
@@ -278,8 +278,8 @@ def evaluate(model, tok, args, presets, played=()):
         for g0 in range(0, len(judge), groups_per_call):
             seeds = [s for s in judge[g0:g0 + groups_per_call] for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
-            out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
-                          greedy=args.greedy, split=split, **settings)
+            out = rollout(model, tok, envs[:len(seeds)], seeds, settings, group_size=args.samples, greedy=args.greedy,
+                          split=split)  # sampled at settings.temperature, which is args.temperature
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
             if args.agreement:
                 for r, agree in zip(records[-len(seeds):], solver_agreement(out, key, settings, seeds, args.samples, split)):
