@@ -837,7 +837,7 @@ def gpu_check(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
         print(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'}  {name:24s} {detail}", flush=True)
 
     # 1, 2: the compiled static sampler against eager, then validation (T=0.5) and training (T=1.0) for 3 steps
-    model, tok = models.load_model("tiny", device=device)  # fp32: compiled and eager agree to the token
+    model, tok = models.load_model("tiny", device=device, check=sampler.self_check)  # fp32: compiled and eager agree to the token
     preset = PRESETS["FrozenLake"]
     run = lambda sampler, seeds=(5, 5, 6, 6), temperature=None: rollout.rollout(
         model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds),
@@ -1037,7 +1037,7 @@ if __name__ == "__main__":
         model, tok = qwen25_05b_random(args.device, dtype), None
     else:
         t = time.time()
-        model, tok = models.load_model(args.model, device=args.device, dtype=dtype)
+        model, tok = models.load_model(args.model, device=args.device, dtype=dtype, check=sampler.self_check)
         print(f"load_model({args.model!r}): {time.time() - t:.2f} s")  # 'tiny' was once asserted < 1 s in a test
     if tok is not None and args.only in ("all", "sampler"):
         time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0,

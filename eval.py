@@ -27,7 +27,8 @@ import torch
 
 import agent
 import models
-from rollout import rollout, step_env
+import sampler
+from rollout import chat_pieces, rollout, step_env
 
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
 # (validation samples at --val-temperature, keyed by the run's --seed)
@@ -436,7 +437,9 @@ def main(argv=None):
         device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
         dtype = models.compute_dtype(args.dtype, device)  # the rule train.py's rollout copy follows
         try:
-            model, tok = models.load_model(model_path, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+            model, tok = models.load_model(model_path, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                                           check=sampler.self_check)
+            chat_pieces(tok)  # a chat template the rollout cannot extend is refused here, before any episode
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}") from e
     except (ValueError, ImportError) as e:

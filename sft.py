@@ -390,7 +390,8 @@ def main(argv=None):
     except ValueError as e:
         die(e)
     try:
-        model, tok = models.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
+        model, tok = models.load_model(args.model, check=sampler.self_check)  # fp32 on the CPU: no device needed
+        rollout_py.chat_pieces(tok)  # a chat template the rollout cannot extend is refused here, not mid-run
     except (ValueError, FileNotFoundError, OSError) as e:
         die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
     device = ranks.init_compute(args.device, ddp, 30)  # a collective waits at most 30 minutes

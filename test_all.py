@@ -1799,7 +1799,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load_model("tiny")
+    return models.load_model("tiny", check=sampler.self_check)
 
 
 def loop_settings(preset, **fields):
@@ -1896,7 +1896,7 @@ def test_tiny_models_build_deterministic_and_leave_rng_alone():  # load time: be
 
 def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
     save_tiny(tmp_path / "q", arch="qwen2")
-    model, tok = models.load_model(str(tmp_path / "q"))
+    model, tok = models.load_model(str(tmp_path / "q"), check=sampler.self_check)
     ref, ref_tok = models.build_tiny("qwen2")
     assert type(model).__name__ == "Qwen2ForCausalLM" and type(tok).__name__ == "Qwen2Tokenizer"
     assert tok.chat_template == ref_tok.chat_template and rollout.chat_pieces(tok) == rollout.chat_pieces(ref_tok)
@@ -2228,7 +2228,7 @@ def save_family(path, arch):
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_each_family_samples_like_hf(tmp_path, arch):
-    model, tok = models.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
+    model, tok = models.load_model(save_family(tmp_path / arch, arch), check=sampler.self_check)  # refusals, self-check
     assert type(model).__name__ == FAMILIES[arch]
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
     ours, _ = sampler.generate(model, prompts, 16, greedy=True)
@@ -2243,7 +2243,7 @@ def test_each_family_samples_like_hf(tmp_path, arch):
 
 
 def test_qwen3_template_what_the_model_sees(tmp_path):
-    model, tok = models.load_model(save_family(tmp_path / "q3", "qwen3"))
+    model, tok = models.load_model(save_family(tmp_path / "q3", "qwen3"), check=sampler.self_check)
     head, gen, close, user_head = rollout.chat_pieces(tok)
     assert gen == "<|im_end|>\n<|im_start|>assistant\n" and close == "<|im_end|>\n"  # no empty think block
     answer = "<think>go right</think><answer>Right</answer>"
@@ -2279,6 +2279,13 @@ def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message
     assert "\n" not in str(e.value)
 
 
+def test_loading_a_model_depends_on_no_sampler_and_no_agent_loop():
+    # models.py loads and refuses; the self-check runs the sampler, so the sampler side owns it (sampler.self_check,
+    # passed to load_model as its check) and models.py imports neither sampler.py nor rollout.py
+    code = "import sys, models; bad = {'sampler', 'rollout', 'agent'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
 def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeypatch):
     """A sampler without Qwen3's q_norm / k_norm samples other tokens than HF: refused at load time."""
     real = sampler.forward_cached
@@ -2297,16 +2304,56 @@ def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeyp
     path = save_family(tmp_path / "q3", "qwen3")
     monkeypatch.setattr(sampler, "forward_cached", skipping)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
-        models.load_model(path)
+        models.load_model(path, check=sampler.self_check)
 
+
+def test_every_loader_that_samples_runs_the_self_check(monkeypatch, tmp_path, capsys):
+    # models.load_model runs the check its caller passes; train.py's (fsdp.load_on_rank0), eval.py's and sft.py's
+    # loads pass sampler.self_check, so a refusal stops each of them (train.py and eval.py / sft.py in one line)
+    import fsdp
+
+    def refuse(model):
+        raise ValueError("refused by the self-check")
+    monkeypatch.setattr(sampler, "self_check", refuse)
+    with pytest.raises(ValueError, match="cannot load --model tiny: refused by the self-check"):
+        fsdp.load_on_rank0("tiny", False, True)
+    for name, main, argv in (("eval", ev.main, ["--model", "tiny", "--env", "bandit", "--out", str(tmp_path / "e")]),
+                             ("sft", sft.main, ["--model", "tiny", "--env", "Bandit", "--device", "cpu"])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"{name}.py: cannot load --model tiny: refused by the self-check\n", err
 
 def test_smollm2_passes_the_self_check():
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "starpo", "smollm2")
     if not os.path.isdir(cache):
-        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; models.load_model('smollm2')\")")
-    model, tok = models.load_model("smollm2")  # raises if the sampler's logits differ from HF's
+        pytest.skip("SmolLM2 not converted here (python -c \"import models; models.load_model('smollm2')\")")
+    model, tok = models.load_model("smollm2", check=sampler.self_check)  # raises if the sampler's logits differ from HF's
     assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
 
+
+
+def test_a_template_the_rollout_cannot_extend_is_refused_in_one_line(tmp_path, capsys):
+    # a template whose rendering of the earlier messages changes as the conversation grows (here: it opens with the
+    # message count) cannot be extended by appending tokens (rollout.chat_pieces): eval.py and sft.py refuse it right
+    # after loading, train.py from the tokenizer alone, before any weight loads; each in one line, exit code 2
+    import train
+    model, tok = models.build_tiny("llama")
+    tok.chat_template = "{{ messages | length }}" + models.CHATML
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    path, why = str(tmp_path / "m"), "chat template is not append-only"
+    for name, main, argv in (("eval", ev.main, ["--model", path, "--env", "bandit", "--out", str(tmp_path / "e")]),
+                             ("sft", sft.main, ["--model", path, "--env", "Bandit", "--device", "cpu"]),
+                             ("train", train.main, ["--model", path, "--env", "bandit", "--device", "cpu",
+                                                    "--out", str(tmp_path / "t")])):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        said = "".join(capsys.readouterr())  # progress bars and train.py's opening lines aside, one line says why
+        lines = [line for line in said.splitlines() if why in line]
+        assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"{name}.py: ") and "Traceback" not in said
+    assert not (tmp_path / "t").exists()
 
 # ------------------------------------------------------------------ a turn ends at its closing tag (RAGEN)
 def bigram_model(tok, walk, scale=5.0):
