@@ -7,8 +7,10 @@ demonstrations).
 A new environment is one file plus one register() line at the end of this one. The file (env_cue.py is the
 smallest) holds a class with reset(seed) -> text, step(action text) -> (text, reward, done, info with "success"),
 render() and actions(); PRESETS, {name: dict(kwargs for the class, instruction, max_actions_per_traj, max_tokens,
-and optionally max_turns / max_actions_per_turn)}; and sft.py's demonstration policies, solver_actions(env, k)
-(the solver's next k actions, or None) and random_actions(env, k, rng).
+and optionally max_turns / max_actions_per_turn / max_context)}; sft.py's demonstration policies,
+solver_actions(env, k) (the solver's next k actions, or None) and random_actions(env, k, rng); print_statistics(env,
+args), what `python env_<name>.py --random N` prints; and a two-line __main__ that hands the command line to play.py,
+the terminal player of every env.
 """
 from dataclasses import dataclass
 

@@ -1057,6 +1057,58 @@ def test_countdown_leaf_and_wiring():
         assert "agent.ENV_CLASSES" in src and "ENV_CLASSES = {" not in src and "import env_" not in src, script
 
 
+# ------------------------------------------------------------------ the terminal player (play.py)
+def typed(lines):
+    """play.main's read(): the lines in order, then the end of input."""
+    it = iter(lines)
+
+    def read(prompt):
+        print(prompt, end="")
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+    return read
+
+
+@pytest.mark.parametrize("cls,preset,argv", [
+    (BanditEnv, "Bandit", []), (SokobanEnv, "SimpleSokoban", []), (FrozenLakeEnv, "CoordFrozenLakeDet", []),
+    (W.WebShopEnv, "WebShop", ["--split", "train"]), (CD.CountdownEnv, "Countdown", []), (env_cue.CueEnv, "CueDelay", [])])
+def test_the_terminal_player_plays_a_solver_session_in_every_env(cls, preset, argv, capsys):
+    # every env file's __main__ is play.main(cls): the env's solver's actions, found on a twin env, typed in, win the
+    # episode; each step shows its reward, and the prompt lists the env's actions (Countdown's answer is free text)
+    # and how to stop (q, or where q is an action, the end of input)
+    import play
+    module = sys.modules[cls.__module__]
+    twin, moves, done = cls(**module.PRESETS[preset]["kwargs"]), [], False
+    twin.reset(3)  # WebShop: the train split, as --split train
+    first = twin.actions()
+    while not done:
+        moves += module.solver_actions(twin, 1)
+        done = twin.step(moves[-1])[2]
+    total, success = play.main(cls, ["--preset", preset, "--seed", "3", *argv], read=typed(moves))
+    out = capsys.readouterr().out
+    assert success and out.count("\nreward ") == len(moves) and out.count("done True") == 1, out
+    how = "end of input stops" if "q" in [a.lower() for a in first or []] else "q stops"  # Cue's Q is an action
+    assert (f"action ({', '.join(first)}; {how}): " if first else f"answer (free text; {how}): ") in out
+    assert "the solver from here" not in out
+
+
+def test_the_terminal_player_stops_on_q_or_end_of_input_and_shows_the_solver(capsys):
+    import play
+    assert play.main(SokobanEnv, ["--seed", "3"], read=typed(["Left", "q"])) == (-0.1, False)
+    out = capsys.readouterr().out
+    assert SOKOBAN_PRESETS["SimpleSokoban"]["instruction"] in out and "action (Up, Down, Left, Right; q stops): " in out
+    assert out.endswith("the solver from here: Up\n")
+    assert play.main(CD.CountdownEnv, ["--seed", "3"], read=typed([])) == (0.0, False)  # end of input: a solution
+    assert capsys.readouterr().out.endswith("the solver from here: ((30 + 25) - (34 - 71))\n")
+    # the statistics flags run the env file's print_statistics instead; the file's __main__ is the player
+    assert play.main(BanditEnv, ["--random", "20"]) is None and "random policy success" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "env_cue.py", "--seed", "3"], input="Q\n", capture_output=True, text=True,
+                       cwd=HERE, timeout=60)
+    assert r.returncode == 0 and "'success': True" in r.stdout and r.stderr == "", r.stdout + r.stderr
+
+
 # ==================================================================================================
 # StarPO maths (starpo.py) and collapse diagnostics (collapse.py)
 # ==================================================================================================
