@@ -792,9 +792,9 @@ def add_flags(p):
     """env_webshop.py's own flags (play.py): the catalog (to the constructor), the goal split (to reset), and its
     statistics besides --random N: --oracle N and --stats."""
     p.add_argument("--num-products", type=int, default=None, help="catalog size (synthetic) or cap (real data) "
-                   "(default: the preset's, 1000)")
+                   "(default: the preset's)")
     p.add_argument("--catalog-seed", type=int, default=None, help="seed of the synthetic catalog and prices "
-                   "(default: the preset's, 0)")
+                   "(default: the preset's)")
     p.add_argument("--items", dest="items_path", default=None, help="real WebShop items_shuffle_1000.json (optional)")
     p.add_argument("--attrs", dest="attrs_path", default=None, help="real WebShop items_ins_v2_1000.json (with --items)")
     p.add_argument("--split", default="test", choices=["train", "val", "test"], help="goal split")
