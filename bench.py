@@ -19,6 +19,7 @@ import time
 
 import torch
 
+import agent
 import rollout
 import sampler
 import starpo
@@ -122,6 +123,12 @@ def time_ours_vs_hf(model, prompts, new_tokens, device, pad_id=0, repeats=3):
     return times
 
 
+def loop_settings(preset, **fields):
+    """rollout()'s settings for a timing: agent.agent_settings of `preset` (a dict) with no flags, a 4096-token context
+    and sample seed 0, then `fields`."""
+    return agent.agent_settings(preset, {}, **dict(dict(max_context=4096, sample_seed=0), **fields))
+
+
 def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
     """A multi-turn Sokoban rollout, with the KV cache kept across turns vs the whole history re-prefilled
     (interleaved repeats)."""
@@ -129,8 +136,8 @@ def time_kv_reuse(model, tok, batch, group_size, turns, turn_tokens, repeats=3):
     preset = PRESETS["SimpleSokoban"]
     seeds = [i // group_size for i in range(batch)]
     run = lambda reuse, n_turns, n_tok: rollout.rollout(
-        model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
-        max_turns=n_turns, max_new_tokens=n_tok, kv_reuse=reuse, sample_seed=0)
+        model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds,
+        loop_settings(preset, max_turns=n_turns, max_new_tokens=n_tok, kv_reuse=reuse), group_size=group_size)
     run(True, 1, 2)  # warm-up
     times, outs = interleaved({"reuse": lambda: run(True, turns, turn_tokens),
                                "re-prefill": lambda: run(False, turns, turn_tokens)}, repeats)
@@ -152,8 +159,9 @@ def time_answer_cut(model, tok, batch, group_size, turns, turn_tokens, repeats=3
     preset = PRESETS["CoordFrozenLakeDet"]
     seeds = [i // group_size for i in range(batch)]
     run = lambda cut, n_turns, n_tok: rollout.rollout(
-        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset, group_size=group_size,
-        max_turns=n_turns, max_actions_per_turn=4, max_new_tokens=n_tok, think=False, stop_at_answer=cut, sample_seed=0)
+        model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(batch)], seeds,
+        loop_settings(preset, max_turns=n_turns, max_actions_per_turn=4, max_new_tokens=n_tok, think=False, stop_at_answer=cut),
+        group_size=group_size)
     run(True, 1, 2)  # warm-up
     times, outs = interleaved({"cut": lambda: run(True, turns, turn_tokens),
                                "uncut": lambda: run(False, turns, turn_tokens)}, repeats)
@@ -185,8 +193,8 @@ def time_prefill_buckets(model, tok, prompts, new_tokens, group_size, turns, tur
     cases = {"sampler": lambda: sampler.generate(model, prompts, new_tokens, stop_ids=(), seed=0)}
     if tok is not None:
         cases["multi-turn"] = lambda: rollout.rollout(
-            model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(B)], [i // group_size for i in range(B)], preset,
-            group_size=group_size, max_turns=turns, max_new_tokens=turn_tokens, sample_seed=0)
+            model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(B)], [i // group_size for i in range(B)],
+            loop_settings(preset, max_turns=turns, max_new_tokens=turn_tokens), group_size=group_size)
     every = {}
     for name, fn in cases.items():
         for m in (bucketed, 1):  # warm-up (on CUDA: compilation and graph capture)
@@ -207,8 +215,9 @@ def time_windows(model, tok, batch, group_size, turns, turn_tokens, window=2, ro
     from env_sokoban import PRESETS, SokobanEnv
     preset = PRESETS["SimpleSokoban"]
     seeds = [i // group_size for i in range(batch)]
-    run = lambda **kw: rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds, preset,
-                                       group_size=group_size, max_turns=turns, max_new_tokens=turn_tokens, sample_seed=0, **kw)
+    run = lambda **kw: rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)], seeds,
+                                       loop_settings(preset, max_turns=turns, max_new_tokens=turn_tokens, **kw),
+                                       group_size=group_size)
     cfgs = {"full, KV kept": {}, "full, re-prefill every turn": dict(kv_reuse=False),
             f"limited_multi_turn, window {window}": dict(window=window, window_mode="limited_multi_turn"),
             f"limited_multi_turn, window {window}, re-prefill": dict(window=window, window_mode="limited_multi_turn", kv_reuse=False),
@@ -228,8 +237,8 @@ def time_logprobs(model, tok, batch, group_size, turns, turn_tokens, micro=4, ro
     from env_sokoban import PRESETS, SokobanEnv
     preset = PRESETS["SimpleSokoban"]
     out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(batch)],
-                          [i // group_size for i in range(batch)], preset, group_size=group_size, max_turns=turns,
-                          max_new_tokens=turn_tokens, sample_seed=0)
+                          [i // group_size for i in range(batch)],
+                          loop_settings(preset, max_turns=turns, max_new_tokens=turn_tokens), group_size=group_size)
     tokens, am, lm = out["tokens"], out["attention_mask"], out["loss_mask"]  # [B, T] each
     times, lps = {}, {}
     for _ in range(rounds):
@@ -590,7 +599,7 @@ if __name__ == "__main__":
         model, tok = qwen25_05b_random(args.device, dtype), None
     else:
         t = time.time()
-        model, tok = models.load_model(args.model, device=args.device, dtype=dtype)
+        model, tok = models.load_model(args.model, device=args.device, dtype=dtype, check=sampler.self_check)
         print(f"load_model({args.model!r}): {time.time() - t:.2f} s")  # 'tiny' was once asserted < 1 s in a test
     if tok is not None and args.only in ("all", "sampler"):
         time_ours_vs_hf(model, first_turn_prompts(tok, args.batch), args.new_tokens, args.device, tok.pad_token_id or 0,

@@ -12,7 +12,6 @@ of a group its own generator (reset(seed, member)), so the members of a group pl
   python env_bandit.py --preset Bandit --random 2000  # random-policy success and payout means
   python env_bandit.py --preset Bandit2 --seed 3      # RAGEN-2's: a name pair drawn from its pool
 """
-import argparse
 import random
 
 import numpy as np
@@ -147,32 +146,29 @@ def random_actions(env, k, rng):
     return [rng.choice(env.actions()) for _ in range(k)]
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Play the bandit, or print statistics over many seeds")
-    parser.add_argument("--preset", default="Bandit", choices=list(PRESETS), help="RAGEN tag")
-    parser.add_argument("--seed", type=int, default=0, help="episode seed (first seed with --random)")
-    parser.add_argument("--random", type=int, default=0, metavar="N",
-                        help="statistics over N seeds instead of play")
-    args = parser.parse_args()
-    env = BanditEnv(**PRESETS[args.preset]["kwargs"])
-    if args.random:
-        seeds = range(args.seed, args.seed + args.random)
-        wins = 0
-        for seed in seeds:  # a random policy picks either shown name with probability 1/2
+def print_statistics(env, args):
+    """python env_bandit.py --random N (play.py): over N seeds from --seed, the random policy's success and the mean
+    payout of always pulling the low-risk arm, or the high-risk one. False without --random."""
+    if not args.random:
+        return False
+    seeds = range(args.seed, args.seed + args.random)
+    wins = 0
+    for seed in seeds:  # a random policy picks either shown name with probability 1/2
+        env.reset(seed)
+        wins += env.step(random.Random(seed).choice(env.actions()))[3]["success"]
+    # always pulling the low-risk arm, or always the high-risk one (named by the pair, or by risk when drawn)
+    low, high = ("the low-risk arm", "the high-risk arm") if env.pairs else (env.lo_arm_name, env.hi_arm_name)
+    payout = {low: 0.0, high: 0.0}
+    for name in payout:
+        for seed in seeds:
             env.reset(seed)
-            wins += env.step(random.Random(seed).choice(env.actions()))[3]["success"]
-        # always pulling the low-risk arm, or always the high-risk one (named by the pair, or by risk when drawn)
-        low, high = ("the low-risk arm", "the high-risk arm") if env.pairs else (env.lo_arm_name, env.hi_arm_name)
-        payout = {low: 0.0, high: 0.0}
-        for name in payout:
-            for seed in seeds:
-                env.reset(seed)
-                payout[name] += env.step(env.lo_arm_name if name == low else env.hi_arm_name)[1] / len(seeds)
-        print(f"{args.preset}: {args.random} seeds from {args.seed}; "
-              f"random policy success {wins / len(seeds):.3f}; "
-              + "; ".join(f"mean payout of {name} {mean:.4f}" for name, mean in payout.items()))
-    else:
-        print(env.reset(args.seed))
-        answer = input("answer: ")
-        obs, reward, done, info = env.step(answer)
-        print(f"{obs}\nreward {reward} done {done} {info}")
+            payout[name] += env.step(env.lo_arm_name if name == low else env.hi_arm_name)[1] / len(seeds)
+    print(f"{args.preset}: {args.random} seeds from {args.seed}; "
+          f"random policy success {wins / len(seeds):.3f}; "
+          + "; ".join(f"mean payout of {name} {mean:.4f}" for name, mean in payout.items()))
+    return True
+
+
+if __name__ == "__main__":  # play in the terminal, or --random N: statistics (play.py)
+    import play
+    play.main(BanditEnv)

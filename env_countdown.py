@@ -16,7 +16,6 @@ the others, so the two sets of tasks are disjoint whatever the seeds.
   python env_countdown.py --seed 3           # play in the terminal
   python env_countdown.py --random 2000      # random-policy reward and task statistics
 """
-import argparse
 import itertools
 import random
 import re
@@ -229,35 +228,29 @@ def random_actions(env, k, rng):
     return [random_answer(env.nums, rng)]
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Play Countdown, or print statistics over many seeds")
-    parser.add_argument("--preset", default="Countdown", choices=list(PRESETS), help="RAGEN tag")
-    parser.add_argument("--seed", type=int, default=0, help="task seed (first seed with --random)")
-    parser.add_argument("--random", type=int, default=0, metavar="N", help="statistics over N seeds instead of play")
-    args = parser.parse_args()
-    env = CountdownEnv(**PRESETS[args.preset]["kwargs"])
-    if args.random:
-        rewards, sizes, targets, reset_s = [], [], [], []
-        for seed in range(args.seed, args.seed + args.random):
-            t0 = time.perf_counter()
-            env.reset(seed)
-            reset_s.append(time.perf_counter() - t0)
-            sizes.append(len(env.nums))
-            targets.append(env.target)
-            rewards.append(env.step(random_answer(env.nums, random.Random(seed)))[1])
-        last = args.seed + args.random - 1
-        split = "validation" if last < VAL_SEEDS else "training" if args.seed >= VAL_SEEDS else "mixed"
-        print(f"{args.preset}: {args.random} seeds from {args.seed} ({split} tasks); random policy (numbers in a random "
-              f"order, random + - * /): success {rewards.count(1.0) / len(rewards):.3f}, mean reward "
-              f"{statistics.mean(rewards):.3f}; median reset {1e3 * statistics.median(reset_s):.2f} ms")
-        print(f"3 numbers {sizes.count(3) / len(sizes):.3f}, 4 numbers {sizes.count(4) / len(sizes):.3f}; "
-              f"target mean {statistics.mean(targets):.1f}, min {min(targets)}, max {max(targets)}")
-    else:
-        print(PRESETS[args.preset]["instruction"])
-        print(env.reset(args.seed))
-        try:
-            answer = input("answer (an expression): ")
-        except EOFError:
-            answer = ""
-        obs, reward, done, info = env.step(answer)
-        print(f"{obs}\nreward {reward} done {done} {info}\na solution: {solve(env.nums, env.target)}")
+def print_statistics(env, args):
+    """python env_countdown.py --random N (play.py): over N seeds from --seed, the random policy's success and mean
+    reward, reset times, the tasks' sizes and targets. False without --random."""
+    if not args.random:
+        return False
+    rewards, sizes, targets, reset_s = [], [], [], []
+    for seed in range(args.seed, args.seed + args.random):
+        t0 = time.perf_counter()
+        env.reset(seed)
+        reset_s.append(time.perf_counter() - t0)
+        sizes.append(len(env.nums))
+        targets.append(env.target)
+        rewards.append(env.step(random_answer(env.nums, random.Random(seed)))[1])
+    last = args.seed + args.random - 1
+    split = "validation" if last < VAL_SEEDS else "training" if args.seed >= VAL_SEEDS else "mixed"
+    print(f"{args.preset}: {args.random} seeds from {args.seed} ({split} tasks); random policy (numbers in a random "
+          f"order, random + - * /): success {rewards.count(1.0) / len(rewards):.3f}, mean reward "
+          f"{statistics.mean(rewards):.3f}; median reset {1e3 * statistics.median(reset_s):.2f} ms")
+    print(f"3 numbers {sizes.count(3) / len(sizes):.3f}, 4 numbers {sizes.count(4) / len(sizes):.3f}; "
+          f"target mean {statistics.mean(targets):.1f}, min {min(targets)}, max {max(targets)}")
+    return True
+
+
+if __name__ == "__main__":  # play in the terminal (q shows a solution), or --random N: statistics (play.py)
+    import play
+    play.main(CountdownEnv)

@@ -19,7 +19,6 @@ Randomness: random.Random(seed) at reset draws the cue; nothing else is random.
   python env_cue.py --preset CueDelay              # play in the terminal
   python env_cue.py --preset Cue --random 2000     # random-policy success over many seeds
 """
-import argparse
 import random
 
 CUE_INSTRUCTION = "Answer the cue letter, then go.\n"
@@ -92,24 +91,22 @@ def random_actions(env, k, rng):
     return [rng.choice(env.actions()) for _ in range(k)]
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Play Cue, or print the random policy's success over many seeds")
-    parser.add_argument("--preset", default="Cue", choices=list(PRESETS))
-    parser.add_argument("--seed", type=int, default=0, help="episode seed (first seed with --random)")
-    parser.add_argument("--random", type=int, default=0, metavar="N", help="statistics over N seeds instead of play")
-    args = parser.parse_args()
-    env = CueEnv(**PRESETS[args.preset]["kwargs"])
-    if args.random:
-        wins = 0
-        for seed in range(args.seed, args.seed + args.random):
-            env.reset(seed)
-            rng = random.Random(seed + 1_000_003)  # not the env's own draw
-            while not env.done:
-                info = env.step(random_actions(env, 1, rng)[0])[3]
-            wins += info["success"]
-        print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy success {wins / args.random:.3f}")
-    else:
-        print(env.reset(args.seed))
+def print_statistics(env, args):
+    """python env_cue.py --random N (play.py): the random policy's success over N seeds from --seed. False without
+    --random."""
+    if not args.random:
+        return False
+    wins = 0
+    for seed in range(args.seed, args.seed + args.random):
+        env.reset(seed)
+        rng = random.Random(seed + 1_000_003)  # not the env's own draw
         while not env.done:
-            obs, reward, done, info = env.step(input(f"answer {env.actions()}: "))
-            print(f"{obs}\nreward {reward} done {done} {info}")
+            info = env.step(random_actions(env, 1, rng)[0])[3]
+        wins += info["success"]
+    print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy success {wins / args.random:.3f}")
+    return True
+
+
+if __name__ == "__main__":  # play in the terminal, or --random N: statistics (play.py)
+    import play
+    play.main(CueEnv)

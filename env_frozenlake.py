@@ -14,7 +14,6 @@ the start state with it), so a seed gives RAGEN's map and RAGEN's slips.
   python env_frozenlake.py --random 1000    # random-policy success rate
   python env_frozenlake.py --preset CoordFrozenLake --seed 3   # RAGEN-2's coordinate observation
 """
-import argparse
 import random
 
 import numpy as np
@@ -214,37 +213,25 @@ def board(observation):
     return "\n".join(line for line in observation.split("\n") if not line.startswith("Start:"))
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Play FrozenLake, or print statistics over many seeds")
-    parser.add_argument("--preset", default="FrozenLake", choices=list(PRESETS), help="RAGEN tag")
-    parser.add_argument("--seed", type=int, default=0, help="map seed (first seed with --random)")
-    parser.add_argument("--random", type=int, default=0, metavar="N",
-                        help="statistics over N seeds instead of play")
-    args = parser.parse_args()
-    preset = PRESETS[args.preset]
-    env = FrozenLakeEnv(**preset["kwargs"])
-    if args.random:
-        budget, wins, holes = preset["max_actions_per_traj"], 0, 0
-        for seed in range(args.seed, args.seed + args.random):
-            env.reset(seed)
-            policy = random.Random(seed)
-            for _ in range(budget):
-                _, _, done, info = env.step(policy.choice(ACTIONS))
-                if done:
-                    break
-            wins, holes = wins + info["success"], holes + env._on("H")
-        print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy ({budget} actions): "
-              f"success {wins / args.random:.3f}, fell in a hole {holes / args.random:.3f}")
-    else:
-        print(preset["instruction"])
-        obs, done = env.reset(args.seed), False
-        print(obs)
-        while not done:
-            try:
-                action = input(f"action ({', '.join(ACTIONS)}; q quits): ")
-            except EOFError:
+def print_statistics(env, args):
+    """python env_frozenlake.py --random N (play.py): over N seeds from --seed, the random policy's success within
+    the preset's action budget and how often it fell in a hole. False without --random."""
+    if not args.random:
+        return False
+    budget, wins, holes = PRESETS[args.preset]["max_actions_per_traj"], 0, 0
+    for seed in range(args.seed, args.seed + args.random):
+        env.reset(seed)
+        policy = random.Random(seed)
+        for _ in range(budget):
+            _, _, done, info = env.step(policy.choice(ACTIONS))
+            if done:
                 break
-            if action.strip().lower() == "q":
-                break
-            obs, reward, done, info = env.step(action)
-            print(f"{obs}\nreward {reward} done {done} {info}")
+        wins, holes = wins + info["success"], holes + env._on("H")
+    print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy ({budget} actions): "
+          f"success {wins / args.random:.3f}, fell in a hole {holes / args.random:.3f}")
+    return True
+
+
+if __name__ == "__main__":  # play in the terminal, or --random N: statistics (play.py)
+    import play
+    play.main(FrozenLakeEnv)

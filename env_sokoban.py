@@ -14,7 +14,6 @@ except when generation fails and reseeds (about 1 seed in 10 for LargerSokoban, 
   python env_sokoban.py --preset SimpleSokoban --random 500   # random-policy success, optimal lengths
   python env_sokoban.py --preset CoordSokoban --seed 3        # RAGEN-2's coordinate observation
 """
-import argparse
 import random
 import statistics
 import time
@@ -350,46 +349,32 @@ def random_actions(env, k, rng):
 
 
 # ----------------------------------------------------------------------------- terminal play / statistics
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Play Sokoban, or print statistics over many seeds")
-    parser.add_argument("--preset", default="SimpleSokoban", choices=list(PRESETS), help="RAGEN tag")
-    parser.add_argument("--seed", type=int, default=0, help="room seed (first seed with --random)")
-    parser.add_argument("--random", type=int, default=0, metavar="N",
-                        help="statistics over N seeds instead of play")
-    args = parser.parse_args()
-    preset = PRESETS[args.preset]
-    env = SokobanEnv(**preset["kwargs"])
-    if args.random:
-        budget, wins, lengths, reset_s = preset["max_actions_per_traj"], 0, [], []
-        for seed in range(args.seed, args.seed + args.random):
-            t0 = time.perf_counter()
-            room = env.reset(seed)
-            reset_s.append(time.perf_counter() - t0)
-            lengths.append(len(solve(room, env.glyphs)))
-            policy = random.Random(seed)
-            for _ in range(budget):
-                _, _, done, info = env.step(policy.choice(ACTIONS))
-                if done:
-                    break
-            wins += info["success"]
-        print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy ({budget} actions) "
-              f"success {wins / args.random:.3f}; median reset {1e3 * statistics.median(reset_s):.2f} ms")
-        print(f"optimal solution length: mean {statistics.mean(lengths):.2f}, min {min(lengths)}, "
-              f"max {max(lengths)}, <= {budget}: {sum(n <= budget for n in lengths) / len(lengths):.3f}")
-        for n in range(min(lengths), max(lengths) + 1):
-            print(f"{n:3d} {lengths.count(n):5d} " + "#" * round(60 * lengths.count(n) / len(lengths)))
-    else:
-        print(preset["instruction"])
-        obs, total, done = env.reset(args.seed), 0.0, False
-        print(obs)
-        while not done:
-            try:
-                action = input(f"action ({', '.join(ACTIONS)}; q quits): ")
-            except EOFError:
+def print_statistics(env, args):
+    """python env_sokoban.py --random N (play.py): over N seeds from --seed, the random policy's success within the
+    preset's action budget, reset times and the optimal solutions' lengths. False without --random."""
+    if not args.random:
+        return False
+    budget, wins, lengths, reset_s = PRESETS[args.preset]["max_actions_per_traj"], 0, [], []
+    for seed in range(args.seed, args.seed + args.random):
+        t0 = time.perf_counter()
+        room = env.reset(seed)
+        reset_s.append(time.perf_counter() - t0)
+        lengths.append(len(solve(room, env.glyphs)))
+        policy = random.Random(seed)
+        for _ in range(budget):
+            _, _, done, info = env.step(policy.choice(ACTIONS))
+            if done:
                 break
-            if action.strip().lower() == "q":
-                break
-            obs, reward, done, info = env.step(action)
-            total += reward
-            print(f"{obs}\nreward {reward:+.1f} (total {total:+.1f}) done {done} {info}")
-        print(f"optimal from here: {solve(env.render(), env.glyphs)}")
+        wins += info["success"]
+    print(f"{args.preset}: {args.random} seeds from {args.seed}; random policy ({budget} actions) "
+          f"success {wins / args.random:.3f}; median reset {1e3 * statistics.median(reset_s):.2f} ms")
+    print(f"optimal solution length: mean {statistics.mean(lengths):.2f}, min {min(lengths)}, "
+          f"max {max(lengths)}, <= {budget}: {sum(n <= budget for n in lengths) / len(lengths):.3f}")
+    for n in range(min(lengths), max(lengths) + 1):
+        print(f"{n:3d} {lengths.count(n):5d} " + "#" * round(60 * lengths.count(n) / len(lengths)))
+    return True
+
+
+if __name__ == "__main__":  # play in the terminal (q shows the optimal plan), or --random N: statistics (play.py)
+    import play
+    play.main(SokobanEnv)

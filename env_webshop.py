@@ -18,7 +18,6 @@ from an item page) is a no-op, where WebShop would still execute it; no html/tex
   python env_webshop.py --oracle 500 --random 500   # scripted oracle vs random clicker
   python env_webshop.py --stats                     # build times, splits, BM25 top-10 rate, step times
 """
-import argparse
 import itertools
 import json
 import math
@@ -789,19 +788,25 @@ def random_actions(env, k, rng):
     return [action]
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-products", type=int, default=1000, help="catalog size (synthetic) or cap (real data)")
-    parser.add_argument("--catalog-seed", type=int, default=0, help="seed of the synthetic catalog and prices")
-    parser.add_argument("--items", default=None, help="real WebShop items_shuffle_1000.json (optional)")
-    parser.add_argument("--attrs", default=None, help="real WebShop items_ins_v2_1000.json (with --items)")
-    parser.add_argument("--split", default="test", choices=["train", "val", "test"], help="goal split")
-    parser.add_argument("--seed", type=int, default=0, help="episode seed (first seed with --oracle/--random)")
-    parser.add_argument("--oracle", type=int, default=0, metavar="N", help="run the scripted oracle on N goals")
-    parser.add_argument("--random", type=int, default=0, metavar="N", help="run the random clicker on N goals")
-    parser.add_argument("--stats", action="store_true", help="build times, split sizes, BM25 top-10 rate, timings")
-    args = parser.parse_args()
-    env = WebShopEnv(args.num_products, args.catalog_seed, args.items, args.attrs)
+def add_flags(p):
+    """env_webshop.py's own flags (play.py): the catalog (to the constructor), the goal split (to reset), and its
+    statistics besides --random N: --oracle N and --stats."""
+    p.add_argument("--num-products", type=int, default=None, help="catalog size (synthetic) or cap (real data) "
+                   "(default: the preset's)")
+    p.add_argument("--catalog-seed", type=int, default=None, help="seed of the synthetic catalog and prices "
+                   "(default: the preset's)")
+    p.add_argument("--items", dest="items_path", default=None, help="real WebShop items_shuffle_1000.json (optional)")
+    p.add_argument("--attrs", dest="attrs_path", default=None, help="real WebShop items_ins_v2_1000.json (with --items)")
+    p.add_argument("--split", default="test", choices=["train", "val", "test"], help="goal split")
+    p.add_argument("--oracle", type=int, default=0, metavar="N", help="run the scripted oracle on N goals")
+    p.add_argument("--stats", action="store_true", help="build times, split sizes, BM25 top-10 rate, timings")
+
+
+def print_statistics(env, args):
+    """python env_webshop.py --stats / --oracle N / --random N (play.py): the catalog's numbers and timings, the
+    scripted oracle and the random clicker (9 actions) on N goals of --split from --seed. False without any."""
+    if not (args.stats or args.oracle or args.random):
+        return False
     shop = env.shop
     seeds = range(args.seed, args.seed + max(args.oracle, args.random))
     if args.stats:
@@ -838,13 +843,9 @@ if __name__ == "__main__":
         print(f"random clicker (9 actions) on {args.random} {args.split} goals: mean reward "
               f"{statistics.mean(r for r, _ in runs):.4f}, "
               f"success {statistics.mean(i['success'] for _, i in runs):.4f}")
-    if not (args.stats or args.oracle or args.random):  # play in the terminal
-        print(env.reset(args.seed, args.split))
-        print("(type an action, or q to quit)")
-        done = False
-        while not done:
-            action = input("> ")
-            if action == "q":
-                break
-            obs, reward, done, info = env.step(action)
-            print(obs, "\nreward", reward, "done", done, "info", info)
+    return True
+
+
+if __name__ == "__main__":  # play a shop in the terminal, or --stats / --oracle N / --random N (play.py)
+    import play
+    play.main(WebShopEnv)

@@ -27,7 +27,8 @@ import torch
 
 import agent
 import models
-from rollout import rollout, step_env
+import sampler
+from rollout import chat_pieces, rollout, step_env
 
 # train.py's flags that set how an episode is played; a run directory's args.json gives them to eval.py
 # (validation samples at --val-temperature, keyed by the run's --seed)
@@ -72,7 +73,7 @@ def solver_agreement(out, preset_key, settings, seeds, group_size, split=None):
     env is replayed from the episode's seed with each turn's parsed actions, stepped as rollout steps them (step_env
     within the episode's action budget); a replay that ends otherwise than the episode raises RuntimeError."""
     cls, _, module = agent.ENV_CLASSES[preset_key]
-    preset, result = settings["preset"], []
+    preset, result = settings.preset, []
     for b, turns in enumerate(out["responses"]):
         env = cls(**preset["kwargs"])
         member = dict(member=b % group_size) if preset.get("seed_per_member") else {}  # as rollout resets it
@@ -325,8 +326,8 @@ def evaluate(model, tok, args, presets, played=()):
         for g0 in range(0, len(judge), groups_per_call):
             seeds = [s for s in judge[g0:g0 + groups_per_call] for _ in range(args.samples)]  # [B] k samples share a seed
             envs += [cls(**preset["kwargs"]) for _ in range(len(seeds) - len(envs))]
-            out = rollout(model, tok, envs[:len(seeds)], seeds, group_size=args.samples, temperature=args.temperature,
-                          greedy=args.greedy, split=split, **settings)
+            out = rollout(model, tok, envs[:len(seeds)], seeds, settings, group_size=args.samples, greedy=args.greedy,
+                          split=split)  # sampled at settings.temperature, which is args.temperature
             records += episode_records(out, tok, key, seeds, [i % args.samples for i in range(len(seeds))])
             if args.agreement:
                 for r, agree in zip(records[-len(seeds):], solver_agreement(out, key, settings, seeds, args.samples, split)):
@@ -485,7 +486,9 @@ def main(argv=None):
         device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
         dtype = models.compute_dtype(args.dtype, device)  # the rule train.py's rollout copy follows
         try:
-            model, tok = models.load_model(model_path, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+            model, tok = models.load_model(model_path, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                                           check=sampler.self_check)
+            chat_pieces(tok)  # a chat template the rollout cannot extend is refused here, before any episode
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ValueError(f"cannot load --model {args.model}: {' '.join(str(e).split())}") from e
     except (ValueError, ImportError) as e:

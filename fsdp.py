@@ -14,6 +14,7 @@ adapters are gathered.
 """
 import copy
 import models
+import sampler
 
 import torch
 import torch.distributed as dist
@@ -200,7 +201,7 @@ def load_on_rank0(name, ddp, master):
     model, tok, err = None, None, None
     if master:
         try:
-            model, tok = models.load_model(name)
+            model, tok = models.load_model(name, check=sampler.self_check)
         except (ValueError, FileNotFoundError, OSError) as e:
             err = f"cannot load --model {name}: {e}"
     if ddp:  # the other ranks get the structure and the tokenizer (and the error, so that every rank stops)

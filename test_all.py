@@ -9,6 +9,8 @@ slow plain-Python loops, a brute-force solver, a full-recompute sampler, a 1-pro
 run. Tests marked `slow` (pytest.ini) start train.py, eval.py, sft.py, bench.py, gpu_check.py or torchrun, or build
 the paper's model shape.
 """
+import dataclasses
+import inspect
 import itertools
 import json
 import math
@@ -213,7 +215,8 @@ def test_bandit2_members_differ_and_a_group_reproduces(tiny):
 
     def play(seeds, preset):
         envs = [BanditEnv(**preset["kwargs"]) for _ in seeds]
-        return rollout.rollout(model, tok, envs, seeds, preset, group_size=4, max_turns=1, max_new_tokens=6)["text"]
+        return rollout.rollout(model, tok, envs, seeds, loop_settings(preset, max_turns=1, max_new_tokens=6),
+                               group_size=4)["text"]
     both = play([7] * 4 + [8] * 4, preset)
     prompts = [t.split("<|im_start|>assistant")[0] for t in both]
     assert [p.split("State:\n")[1].split("\nYou have 1 actions left")[0] for p in prompts] == \
@@ -462,8 +465,8 @@ def test_coord_frozenlake_lakes_are_ragen2s():
 
 def first_prompt(model, tok, preset, env, seed, **kw):
     """The text of episode `seed`'s first prompt as rollout() builds it, up to and including the forced '<think>'."""
-    text = rollout.rollout(model, tok, [env], [seed], preset, group_size=1, max_turns=1, max_new_tokens=2, greedy=True,
-                           **kw)["text"][0]
+    text = rollout.rollout(model, tok, [env], [seed], loop_settings(preset, max_turns=1, max_new_tokens=2, **kw),
+                           group_size=1, greedy=True)["text"][0]
     return text[:text.index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n<think>")]
 
 
@@ -477,8 +480,9 @@ def test_ragen2_presets_say_when_no_action_was_valid(tiny):
     for name, shown in (("CoordFrozenLakeDet", True), ("FrozenLake", False)):
         preset = FROZENLAKE_PRESETS[name]
         envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(2)]
-        out = rollout.rollout(model, tok, envs, [10001, 10001], preset, group_size=2, max_turns=2, max_new_tokens=40,
-                              think=False, respond=lambda b, env: answers[b], sampler=sampler.Sampler())
+        out = rollout.rollout(model, tok, envs, [10001, 10001],
+                              loop_settings(preset, max_turns=2, max_new_tokens=40, think=False), group_size=2,
+                              respond=lambda b, env: answers[b], sampler=sampler.Sampler())
         texts = [t[t.index("\nTurn 2:"):] for t in out["text"]]
         assert (warning in texts[0]) == shown and warning not in texts[1], (name, texts)
         if shown:
@@ -532,8 +536,9 @@ def test_coord_prompts_are_ragen2s(tiny):
         + "\nTurn 1:\nState:\n######\n#O####\n#__###\n#X_###\n#_P_##\n######\n" + tail.replace("120 words", "100 words"))
     # single_turn retells earlier turns in the user message; the instruction stays in the system message (RAGEN-2)
     preset = SOKOBAN_PRESETS["CoordSokoban"]
-    out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"])], [10000], preset, group_size=1, max_turns=2,
-                          max_new_tokens=2, window=2, window_mode="single_turn")
+    out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"])], [10000],
+                          loop_settings(preset, max_turns=2, max_new_tokens=2, window=2, window_mode="single_turn"),
+                          group_size=1)
     second = tok.decode(out["tokens"][1][out["attention_mask"][1]])  # the row of turn 2
     assert second.startswith(room.split("<|im_start|>user\n")[0] + "<|im_start|>user\nSummary: 1 step(s) completed")
 
@@ -546,18 +551,19 @@ def test_reward_line_is_ragen2s(tiny):
     # nothing prints the starting 0 in every env
     model, tok = tiny
     preset = FROZENLAKE_PRESETS["CoordFrozenLakeDet"]
-    out = rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"])], [10001], preset, group_size=1, max_turns=2,
-                          max_new_tokens=40, think=False, respond=lambda b, env: "Right</answer>",
-                          sampler=sampler.Sampler())
+    out = rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"])], [10001],
+                          loop_settings(preset, max_turns=2, max_new_tokens=40, think=False), group_size=1,
+                          respond=lambda b, env: "Right</answer>", sampler=sampler.Sampler())
     assert "<|im_start|>user\nReward:\n0\n\nTurn 2:\n" in out["text"][0]
-    out = rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"])], [10001], preset, group_size=1, max_turns=2,
-                          max_new_tokens=40, think=False, respond=lambda b, env: "Right</answer>",
-                          sampler=sampler.Sampler(), window=2, window_mode="single_turn")
+    out = rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"])], [10001],
+                          loop_settings(preset, max_turns=2, max_new_tokens=40, think=False, window=2,
+                                        window_mode="single_turn"),
+                          group_size=1, respond=lambda b, env: "Right</answer>", sampler=sampler.Sampler())
     assert "\nTurn 1 Reward: 0\n---\n" in tok.decode(out["tokens"][1][out["attention_mask"][1]])
     preset = SOKOBAN_PRESETS["CoordSokoban"]
     answers = {0: "Up || Up</answer>", 1: "Jump</answer>"}  # two steps; nothing valid
-    out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(2)], [10000, 10000], preset,
-                          group_size=2, max_turns=2, max_new_tokens=40, think=False,
+    out = rollout.rollout(model, tok, [SokobanEnv(**preset["kwargs"]) for _ in range(2)], [10000, 10000],
+                          loop_settings(preset, max_turns=2, max_new_tokens=40, think=False), group_size=2,
                           respond=lambda b, env: answers[b], sampler=sampler.Sampler())
     assert "<|im_start|>user\nReward:\n-0.2\n\nTurn 2:\n" in out["text"][0]
     assert "<|im_start|>user\nReward:\n0\n\nTurn 2:\n" in out["text"][1]
@@ -1050,6 +1056,58 @@ def test_countdown_leaf_and_wiring():
     for script in ("train.py", "eval.py", "sft.py", "bench.py"):  # one registry, agent.py's: the scripts take it from there
         src = open(os.path.join(HERE, script)).read()
         assert "agent.ENV_CLASSES" in src and "ENV_CLASSES = {" not in src and "import env_" not in src, script
+
+
+# ------------------------------------------------------------------ the terminal player (play.py)
+def typed(lines):
+    """play.main's read(): the lines in order, then the end of input."""
+    it = iter(lines)
+
+    def read(prompt):
+        print(prompt, end="")
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+    return read
+
+
+@pytest.mark.parametrize("cls,preset,argv", [
+    (BanditEnv, "Bandit", []), (SokobanEnv, "SimpleSokoban", []), (FrozenLakeEnv, "CoordFrozenLakeDet", []),
+    (W.WebShopEnv, "WebShop", ["--split", "train"]), (CD.CountdownEnv, "Countdown", []), (env_cue.CueEnv, "CueDelay", [])])
+def test_the_terminal_player_plays_a_solver_session_in_every_env(cls, preset, argv, capsys):
+    # every env file's __main__ is play.main(cls): the env's solver's actions, found on a twin env, typed in, win the
+    # episode; each step shows its reward, and the prompt lists the env's actions (Countdown's answer is free text)
+    # and how to stop (q, or where q is an action, the end of input)
+    import play
+    module = sys.modules[cls.__module__]
+    twin, moves, done = cls(**module.PRESETS[preset]["kwargs"]), [], False
+    twin.reset(3)  # WebShop: the train split, as --split train
+    first = twin.actions()
+    while not done:
+        moves += module.solver_actions(twin, 1)
+        done = twin.step(moves[-1])[2]
+    total, success = play.main(cls, ["--preset", preset, "--seed", "3", *argv], read=typed(moves))
+    out = capsys.readouterr().out
+    assert success and out.count("\nreward ") == len(moves) and out.count("done True") == 1, out
+    how = "end of input stops" if "q" in [a.lower() for a in first or []] else "q stops"  # Cue's Q is an action
+    assert (f"action ({', '.join(first)}; {how}): " if first else f"answer (free text; {how}): ") in out
+    assert "the solver from here" not in out
+
+
+def test_the_terminal_player_stops_on_q_or_end_of_input_and_shows_the_solver(capsys):
+    import play
+    assert play.main(SokobanEnv, ["--seed", "3"], read=typed(["Left", "q"])) == (-0.1, False)
+    out = capsys.readouterr().out
+    assert SOKOBAN_PRESETS["SimpleSokoban"]["instruction"] in out and "action (Up, Down, Left, Right; q stops): " in out
+    assert out.endswith("the solver from here: Up\n")
+    assert play.main(CD.CountdownEnv, ["--seed", "3"], read=typed([])) == (0.0, False)  # end of input: a solution
+    assert capsys.readouterr().out.endswith("the solver from here: ((30 + 25) - (34 - 71))\n")
+    # the statistics flags run the env file's print_statistics instead; the file's __main__ is the player
+    assert play.main(BanditEnv, ["--random", "20"]) is None and "random policy success" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "env_cue.py", "--seed", "3"], input="Q\n", capture_output=True, text=True,
+                       cwd=HERE, timeout=60)
+    assert r.returncode == 0 and "'success': True" in r.stdout and r.stderr == "", r.stdout + r.stderr
 
 
 # ==================================================================================================
@@ -1794,7 +1852,15 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load_model("tiny")
+    return models.load_model("tiny", check=sampler.self_check)
+
+
+def loop_settings(preset, **fields):
+    """rollout()'s settings for a test's own preset dict: agent.agent_settings with no flags, then the budgets these
+    tests play with (5 turns of 5 actions, 100 tokens per answer, a 4096-token context, sample seed 0) and `fields`
+    over them."""
+    budgets = dict(max_turns=5, max_actions_per_turn=5, max_new_tokens=100, max_context=4096, sample_seed=0)
+    return agent.agent_settings(preset, {}, **dict(budgets, **fields))
 
 
 class CorridorEnv:
@@ -1883,7 +1949,7 @@ def test_tiny_models_build_deterministic_and_leave_rng_alone():  # load time: be
 
 def test_qwen2_directory_loads_like_a_hub_snapshot(tmp_path):
     save_tiny(tmp_path / "q", arch="qwen2")
-    model, tok = models.load_model(str(tmp_path / "q"))
+    model, tok = models.load_model(str(tmp_path / "q"), check=sampler.self_check)
     ref, ref_tok = models.build_tiny("qwen2")
     assert type(model).__name__ == "Qwen2ForCausalLM" and type(tok).__name__ == "Qwen2Tokenizer"
     assert tok.chat_template == ref_tok.chat_template and rollout.chat_pieces(tok) == rollout.chat_pieces(ref_tok)
@@ -1994,7 +2060,8 @@ def test_agent_loop_penalties_budget_success(monkeypatch, tiny):
                "no tags at all",                                            # missing tags: penalty
                "ok</think><answer>Left || Right || Right || Right || Right || Right</answer>"]  # 5 kept, budget 4
     calls = scripted(monkeypatch, tok, replies)
-    out = rollout.rollout(model, tok, [CorridorEnv(), CorridorEnv()], [0, 0], CORRIDOR, group_size=2, max_turns=5)
+    out = rollout.rollout(model, tok, [CorridorEnv(), CorridorEnv()], [0, 0], loop_settings(CORRIDOR, max_turns=5),
+                          group_size=2)
     s = out["stats"]
     assert calls == [2, 2, 2, 2]  # both episodes end in turn 4, when the action budget runs out
     assert s["num_turns"].tolist() == [4, 4] and s["format_errors"].tolist() == [3, 3]
@@ -2013,7 +2080,7 @@ def test_agent_loop_success_drops_finished_rows(monkeypatch, tiny):
     calls = scripted(monkeypatch, tok, replies)
     envs = [CorridorEnv(), CorridorEnv()]
     envs[1].step = lambda a, e=envs[1]: CorridorEnv.step(e, "Left")  # a hopeless second row
-    out = rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=2, think=True)
+    out = rollout.rollout(model, tok, envs, [0, 1], loop_settings(CORRIDOR, max_turns=2, think=True), group_size=1)
     assert calls == [2, 1]   # row 0 reached the goal after 3 actions and left the batch
     assert out["success"].tolist() == [True, False] and out["turn_rewards"][0] == [1.0]
     assert out["scores"].tolist() == pytest.approx([1.0, 0.0]) and out["stats"]["num_actions"].tolist() == [3, 4]
@@ -2050,8 +2117,9 @@ def test_kv_reuse_equals_reprefill_and_old_logp_equals_training_forward(tiny, gr
     preset, outs = SOKOBAN_PRESETS["SimpleSokoban"], []
     for reuse in (True, False):
         envs = [SokobanEnv(**preset["kwargs"]) for _ in range(4)]
-        outs.append(rollout.rollout(model, tok, envs, [3, 3, 8, 8], preset, group_size=2, max_turns=3, max_new_tokens=24,
-                                    greedy=greedy, kv_reuse=reuse, sample_seed=0))
+        outs.append(rollout.rollout(model, tok, envs, [3, 3, 8, 8],
+                                    loop_settings(preset, max_turns=3, max_new_tokens=24, kv_reuse=reuse, sample_seed=0),
+                                    group_size=2, greedy=greedy))
     a, b = outs
     assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
     assert torch.allclose(a["old_logp"], b["old_logp"], atol=1e-4)
@@ -2068,8 +2136,9 @@ def test_static_shape_path_gives_the_same_rollout(monkeypatch, tiny):
         envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)]
         envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
         monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Stay"], True))  # only row 1 ends
-        outs.append(rollout.rollout(model, tok, envs, [5, 5, 6, 6], preset, group_size=2, max_turns=3, max_new_tokens=12,
-                                    max_context=1500, greedy=True, sampler=sampler.Sampler(static=static)))
+        outs.append(rollout.rollout(model, tok, envs, [5, 5, 6, 6],
+                                    loop_settings(preset, max_turns=3, max_new_tokens=12, max_context=1500),
+                                    group_size=2, greedy=True, sampler=sampler.Sampler(static=static)))
     a, b = outs
     assert a["stats"]["num_turns"].tolist()[:2] == [3, 1]
     assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
@@ -2080,8 +2149,9 @@ def test_multi_turn_rollout_on_sokoban_and_frozenlake(tiny):
     for env_cls, preset, think in ((SokobanEnv, SOKOBAN_PRESETS["SimpleSokoban"], True),
                                    (FrozenLakeEnv, FROZENLAKE_PRESETS["FrozenLake"], False)):
         envs = [env_cls(**preset["kwargs"]) for _ in range(6)]
-        out = rollout.rollout(model, tok, envs, [1, 1, 1, 2, 2, 2], preset, group_size=3, max_turns=3,
-                              max_new_tokens=16, think=think, sample_seed=2)
+        out = rollout.rollout(model, tok, envs, [1, 1, 1, 2, 2, 2],
+                              loop_settings(preset, max_turns=3, max_new_tokens=16, think=think, sample_seed=2),
+                              group_size=3)
         check_consistent(out, tok, 6, think=think)
         assert out["group"].tolist() == [0, 0, 0, 1, 1, 1] and out["stats"]["num_turns"].tolist() == [3] * 6
         assert all(set(v.shape) == {6} for v in out["stats"].values())
@@ -2094,13 +2164,16 @@ def test_context_overflow_truncates_cleanly(tiny):
     model, tok = tiny
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
     envs = [SokobanEnv(**preset["kwargs"]) for _ in range(2)]
-    first = rollout.rollout(model, tok, envs, [4, 4], preset, group_size=2, max_turns=1, max_new_tokens=8, greedy=True)
+    first = rollout.rollout(model, tok, envs, [4, 4], loop_settings(preset, max_turns=1, max_new_tokens=8),
+                            group_size=2, greedy=True)
     L1 = first["tokens"].shape[1]
-    out = rollout.rollout(model, tok, envs, [4, 4], preset, group_size=2, max_turns=5, max_new_tokens=8, greedy=True,
-                          max_context=L1 + 40)  # room for turn 1 only
+    out = rollout.rollout(model, tok, envs, [4, 4],
+                          loop_settings(preset, max_turns=5, max_new_tokens=8, max_context=L1 + 40), group_size=2,
+                          greedy=True)  # room for turn 1 only
     assert out["stats"]["context_truncated"].tolist() == [True, True] and out["stats"]["num_turns"].tolist() == [1, 1]
     assert torch.equal(out["tokens"], first["tokens"]) and out["tokens"].shape[1] <= L1 + 40
-    tiny_ctx = rollout.rollout(model, tok, envs, [4, 4], preset, group_size=2, max_turns=2, max_context=100)
+    tiny_ctx = rollout.rollout(model, tok, envs, [4, 4], loop_settings(preset, max_turns=2, max_context=100),
+                               group_size=2)
     assert tiny_ctx["stats"]["num_turns"].tolist() == [0, 0] and not tiny_ctx["loss_mask"].any()
     assert tiny_ctx["stats"]["context_truncated"].all() and tiny_ctx["scores"].tolist() == [0.0, 0.0]
 
@@ -2146,8 +2219,9 @@ def test_fp32_cpu_sampling_is_the_same_whatever_the_batch_split(tiny):
     model, tok = tiny
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     seeds = [s for s in (5, 6, 7, 8) for _ in range(2)]
-    run = lambda sl: rollout.rollout(model, tok, [FrozenLakeEnv() for _ in seeds[sl]], seeds[sl], preset, group_size=2,
-                                     max_turns=2, max_new_tokens=10, think=False, sample_seed=3)
+    run = lambda sl: rollout.rollout(model, tok, [FrozenLakeEnv() for _ in seeds[sl]], seeds[sl],
+                                     loop_settings(preset, max_turns=2, max_new_tokens=10, think=False, sample_seed=3),
+                                     group_size=2)
     whole, halves = run(slice(0, 8)), [run(slice(0, 4)), run(slice(4, 8))]
     rows = [(h, i) for h in halves for i in range(4)]
     for b, (h, i) in enumerate(rows):
@@ -2161,9 +2235,9 @@ def test_rollout_rejects_bad_groups(tiny):
     model, tok = tiny
     envs = [CorridorEnv() for _ in range(4)]
     with pytest.raises(ValueError, match="share a seed"):
-        rollout.rollout(model, tok, envs, [0, 1, 2, 2], CORRIDOR, group_size=2)
+        rollout.rollout(model, tok, envs, [0, 1, 2, 2], loop_settings(CORRIDOR), group_size=2)
     with pytest.raises(ValueError, match="divisible"):
-        rollout.rollout(model, tok, envs[:3], [0, 0, 0], CORRIDOR, group_size=2)
+        rollout.rollout(model, tok, envs[:3], [0, 0, 0], loop_settings(CORRIDOR), group_size=2)
 
 
 # ------------------------------------------------------------ model families: refusals, self-check, Qwen3's template
@@ -2207,7 +2281,7 @@ def save_family(path, arch):
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_each_family_samples_like_hf(tmp_path, arch):
-    model, tok = models.load_model(save_family(tmp_path / arch, arch))  # refusals + self-check on the way
+    model, tok = models.load_model(save_family(tmp_path / arch, arch), check=sampler.self_check)  # refusals, self-check
     assert type(model).__name__ == FAMILIES[arch]
     prompts = [tok.encode(t, add_special_tokens=False) for t in ["a long prompt about a sokoban room", "hi", "x" * 30]]
     ours, _ = sampler.generate(model, prompts, 16, greedy=True)
@@ -2222,7 +2296,7 @@ def test_each_family_samples_like_hf(tmp_path, arch):
 
 
 def test_qwen3_template_what_the_model_sees(tmp_path):
-    model, tok = models.load_model(save_family(tmp_path / "q3", "qwen3"))
+    model, tok = models.load_model(save_family(tmp_path / "q3", "qwen3"), check=sampler.self_check)
     head, gen, close, user_head = rollout.chat_pieces(tok)
     assert gen == "<|im_end|>\n<|im_start|>assistant\n" and close == "<|im_end|>\n"  # no empty think block
     answer = "<think>go right</think><answer>Right</answer>"
@@ -2233,7 +2307,8 @@ def test_qwen3_template_what_the_model_sees(tmp_path):
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == ours.replace("<think>go right</think>", "")
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
     envs = [SokobanEnv(**preset["kwargs"]) for _ in range(2)]
-    out = rollout.rollout(model, tok, envs, [3, 3], preset, group_size=2, max_turns=2, max_new_tokens=12, sample_seed=0)
+    out = rollout.rollout(model, tok, envs, [3, 3],
+                          loop_settings(preset, max_turns=2, max_new_tokens=12, sample_seed=0), group_size=2)
     check_consistent(out, tok, 2)
 
 
@@ -2257,6 +2332,13 @@ def test_unsupported_families_refused_up_front(tmp_path, model_type, kw, message
     assert "\n" not in str(e.value)
 
 
+def test_loading_a_model_depends_on_no_sampler_and_no_agent_loop():
+    # models.py loads and refuses; the self-check runs the sampler, so the sampler side owns it (sampler.self_check,
+    # passed to load_model as its check) and models.py imports neither sampler.py nor rollout.py
+    code = "import sys, models; bad = {'sampler', 'rollout', 'agent'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
 def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeypatch):
     """A sampler without Qwen3's q_norm / k_norm samples other tokens than HF: refused at load time."""
     real = sampler.forward_cached
@@ -2275,16 +2357,56 @@ def test_self_check_refuses_a_sampler_that_skips_qwen3_qk_norm(tmp_path, monkeyp
     path = save_family(tmp_path / "q3", "qwen3")
     monkeypatch.setattr(sampler, "forward_cached", skipping)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: the sampler's next-token logits differ from the HF forward"):
-        models.load_model(path)
+        models.load_model(path, check=sampler.self_check)
 
+
+def test_every_loader_that_samples_runs_the_self_check(monkeypatch, tmp_path, capsys):
+    # models.load_model runs the check its caller passes; train.py's (fsdp.load_on_rank0), eval.py's and sft.py's
+    # loads pass sampler.self_check, so a refusal stops each of them (train.py and eval.py / sft.py in one line)
+    import fsdp
+
+    def refuse(model):
+        raise ValueError("refused by the self-check")
+    monkeypatch.setattr(sampler, "self_check", refuse)
+    with pytest.raises(ValueError, match="cannot load --model tiny: refused by the self-check"):
+        fsdp.load_on_rank0("tiny", False, True)
+    for name, main, argv in (("eval", ev.main, ["--model", "tiny", "--env", "bandit", "--out", str(tmp_path / "e")]),
+                             ("sft", sft.main, ["--model", "tiny", "--env", "Bandit", "--device", "cpu"])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"{name}.py: cannot load --model tiny: refused by the self-check\n", err
 
 def test_smollm2_passes_the_self_check():
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "starpo", "smollm2")
     if not os.path.isdir(cache):
-        pytest.skip("SmolLM2 not converted here (python -c \"import rollout; models.load_model('smollm2')\")")
-    model, tok = models.load_model("smollm2")  # raises if the sampler's logits differ from HF's
+        pytest.skip("SmolLM2 not converted here (python -c \"import models; models.load_model('smollm2')\")")
+    model, tok = models.load_model("smollm2", check=sampler.self_check)  # raises if the sampler's logits differ from HF's
     assert type(model).__name__ == "LlamaForCausalLM" and rollout.chat_pieces(tok)[1].endswith("assistant\n")
 
+
+
+def test_a_template_the_rollout_cannot_extend_is_refused_in_one_line(tmp_path, capsys):
+    # a template whose rendering of the earlier messages changes as the conversation grows (here: it opens with the
+    # message count) cannot be extended by appending tokens (rollout.chat_pieces): eval.py and sft.py refuse it right
+    # after loading, train.py from the tokenizer alone, before any weight loads; each in one line, exit code 2
+    import train
+    model, tok = models.build_tiny("llama")
+    tok.chat_template = "{{ messages | length }}" + models.CHATML
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    path, why = str(tmp_path / "m"), "chat template is not append-only"
+    for name, main, argv in (("eval", ev.main, ["--model", path, "--env", "bandit", "--out", str(tmp_path / "e")]),
+                             ("sft", sft.main, ["--model", path, "--env", "Bandit", "--device", "cpu"]),
+                             ("train", train.main, ["--model", path, "--env", "bandit", "--device", "cpu",
+                                                    "--out", str(tmp_path / "t")])):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        said = "".join(capsys.readouterr())  # progress bars and train.py's opening lines aside, one line says why
+        lines = [line for line in said.splitlines() if why in line]
+        assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"{name}.py: ") and "Traceback" not in said
+    assert not (tmp_path / "t").exists()
 
 # ------------------------------------------------------------------ a turn ends at its closing tag (RAGEN)
 def bigram_model(tok, walk, scale=5.0):
@@ -2354,8 +2476,9 @@ def answer_spans(out, tok):
 def tag_rollout(model, tok, think, **kw):
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(8)]
-    kw = dict(dict(max_turns=3, max_new_tokens=24, max_context=4000, think=think), **kw)
-    return rollout.rollout(model, tok, envs, [3] * 4 + [4] * 4, preset, group_size=4, **kw)
+    sampler = kw.pop("sampler", None)  # this call's own; the rest are settings
+    settings = loop_settings(preset, **dict(dict(max_turns=3, max_new_tokens=24, max_context=4000, think=think), **kw))
+    return rollout.rollout(model, tok, envs, [3] * 4 + [4] * 4, settings, group_size=4, sampler=sampler)
 
 
 def test_answer_end_cuts_at_the_token_that_completes_the_pattern(tiny):
@@ -2450,8 +2573,8 @@ def test_cut_turns_are_exact_on_every_cache_path(tiny, monkeypatch, think):
 def windowed_rollout(model, tok, **kw):
     preset = SOKOBAN_PRESETS["SimpleSokoban"]
     envs = [SokobanEnv(**preset["kwargs"]) for _ in range(4)]
-    return rollout.rollout(model, tok, envs, [3, 3, 8, 8], preset, group_size=2, max_turns=3, max_new_tokens=16,
-                           sample_seed=0, **kw)
+    return rollout.rollout(model, tok, envs, [3, 3, 8, 8], loop_settings(preset, max_turns=3, max_new_tokens=16,
+                                                                          sample_seed=0, **kw), group_size=2)
 
 
 def test_limited_multi_turn_rows_are_the_full_rollouts_prefixes(tiny):
@@ -2530,9 +2653,10 @@ def test_prefix_shared_prefill_is_exact(tiny, static):
         for share in (True, False):
             envs = [FrozenLakeEnv(**preset["kwargs"]) for _ in range(6)]
             envs[1].step = lambda a: ("", 0.0, True, dict(action_is_valid=True, action_is_effective=True, success=False))
-            outs.append(rollout.rollout(model, tok, envs, [5, 5, 5, 7, 7, 7], preset, group_size=3, max_turns=3,
-                                        max_new_tokens=10, max_context=1500, think=think, kv_reuse=reuse,
-                                        sampler=how, share_prefixes=share))
+            outs.append(rollout.rollout(model, tok, envs, [5, 5, 5, 7, 7, 7],
+                                        loop_settings(preset, max_turns=3, max_new_tokens=10, max_context=1500, think=think,
+                                                      kv_reuse=reuse, share_prefixes=share),
+                                        group_size=3, sampler=how))
         a, b = outs
         assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
         saved, prefilled = a["stats"]["prefill_saved"], a["stats"]["prefill_tokens"]
@@ -2561,9 +2685,10 @@ def test_prefill_shapes_are_bucketed_and_change_no_token(monkeypatch, tiny, stat
             monkeypatch.setattr(sampler, "PREFILL_MULTIPLE", {"cpu": multiple})
             calls.clear()
             envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
-            outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4], preset, group_size=3, max_turns=3,
-                                        max_new_tokens=10, max_context=1500, kv_reuse=reuse, sample_seed=1,
-                                        sampler=sampler.Sampler(static=static)))
+            outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4],
+                                        loop_settings(preset, max_turns=3, max_new_tokens=10, max_context=1500, kv_reuse=reuse,
+                                                      sample_seed=1),
+                                        group_size=3, sampler=sampler.Sampler(static=static)))
             shapes.append([c for c in calls if c[0] > 1])  # the prefills (a decode step has T = 1)
         exact, bucketed = shapes
         assert any(t % m for t, _, _ in exact) and any(e % m for _, e, s in exact if e < s)  # lengths that need it
@@ -2591,8 +2716,9 @@ def test_prefills_split_by_rows_under_the_mask_budget_change_no_token(monkeypatc
         monkeypatch.setattr(sampler, "PREFILL_MASK_BYTES", budget)
         widest.clear()
         envs = [SokobanEnv(**preset["kwargs"]) for _ in range(6)]
-        outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4], preset, group_size=3, max_turns=3,
-                                    max_new_tokens=10, kv_reuse=False, sample_seed=1))
+        outs.append(rollout.rollout(model, tok, envs, [3, 3, 3, 4, 4, 4],
+                                    loop_settings(preset, max_turns=3, max_new_tokens=10, kv_reuse=False, sample_seed=1),
+                                    group_size=3))
         rows.append(max(widest))
     assert rows[0] > 1 and rows[1] == 1
     a, b = outs
@@ -2642,8 +2768,9 @@ def test_static_cache_ignores_idle_rows_with_long_histories(monkeypatch, tiny):
     outs = []
     for static in (False, True):
         envs = [LongThenDoneEnv(580, ends=True), LongThenDoneEnv(5, ends=False)]  # row 0: 847-token prompt
-        outs.append(rollout.rollout(model, tok, envs, [0, 1], CORRIDOR, group_size=1, max_turns=3, max_new_tokens=40,
-                                    max_context=900, greedy=True, think=False, sampler=sampler.Sampler(static=static)))
+        outs.append(rollout.rollout(model, tok, envs, [0, 1],
+                                    loop_settings(CORRIDOR, max_turns=3, max_new_tokens=40, max_context=900, think=False),
+                                    group_size=1, greedy=True, sampler=sampler.Sampler(static=static)))
     a, b = outs
     assert a["stats"]["num_turns"].tolist() == [1, 3] and a["stats"]["response_tokens"][0] == 40  # row 0 idles at 886
     assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["old_logp"], b["old_logp"], atol=1e-5)
@@ -2712,8 +2839,8 @@ def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_i
     model, tok = tiny
     preset = FROZENLAKE_PRESETS["FrozenLake"]
     run = lambda sampler=None: rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [5, 5, 6, 6],
-                                               preset, group_size=2, max_turns=2, max_new_tokens=12, max_context=1200,
-                                               think=False, sample_seed=4, sampler=sampler)
+                                               loop_settings(preset, max_turns=2, max_new_tokens=12, max_context=1200,
+                                                             think=False, sample_seed=4), group_size=2, sampler=sampler)
     eager = run()
     assert eager["stats"]["num_turns"].tolist() == [2] * 4
     monkeypatch.setattr(sampler, "_POOL", {})
@@ -2750,9 +2877,9 @@ def test_cuda_decode_runs_on_the_memory_efficient_sdpa_kernel():
 # ------------------------------------------------------------- CUDA graphs emulated on the CPU (gpu_check.py's backends)
 def emulated_rollout(model, tok, sampler=None, seeds=(5, 5, 6, 6), **kw):
     preset = FROZENLAKE_PRESETS["FrozenLake"]
-    return rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds), preset,
-                           group_size=2, **dict(dict(max_turns=2, max_new_tokens=12, max_context=1200, think=False,
-                                                     sample_seed=4, sampler=sampler), **kw))
+    return rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in seeds], list(seeds),
+                           loop_settings(preset, **dict(dict(max_turns=2, max_new_tokens=12, max_context=1200, think=False,
+                                                             sample_seed=4), **kw)), group_size=2, sampler=sampler)
 
 
 def test_compiled_sampler_never_reads_an_output_after_the_next_compiled_call(monkeypatch, tiny):
@@ -3715,9 +3842,9 @@ def test_agent_flags_are_declared_once_for_train_eval_and_sft(tmp_path):
                          (sft.build_parser(), flags)):
         have = {o for a in parser._actions for o in a.option_strings}
         assert want <= have and not (sampling - want) & have
-    settings = lambda argv: agent.agent_settings("Bandit", dict(vars(train.parse_args(argv)[0]), sample_seed=0))
-    assert settings([])["stop_at_answer"] and not settings(["--no-stop-at-answer"])["stop_at_answer"]
-    assert settings(["--env", "bandit"])["max_turns"] == 1 and settings(["--max-turns", "3"])["max_turns"] == 3
+    settings = lambda argv: agent.agent_settings("Bandit", vars(train.parse_args(argv)[0]), sample_seed=0)
+    assert settings([]).stop_at_answer and not settings(["--no-stop-at-answer"]).stop_at_answer
+    assert settings(["--env", "bandit"]).max_turns == 1 and settings(["--max-turns", "3"]).max_turns == 3
     # eval.py takes the flag from a run directory's args.json, as the run's other agent flags
     run = tmp_path / "run"
     (run / "hf").mkdir(parents=True)
@@ -3726,6 +3853,23 @@ def test_agent_flags_are_declared_once_for_train_eval_and_sft(tmp_path):
     args = ev.build_parser().parse_args(["--model", str(run)])
     assert ev.resolve(args)[1] == ["Bandit", "BanditTest"] and args.no_stop_at_answer is True and args.temperature == 0.5
 
+
+
+def test_agent_defaults_are_declared_once_and_merged_in_one_place(monkeypatch):
+    # agent.AGENT_DEFAULTS holds the number behind --max-context; the help text, train.py's resolved args (args.json)
+    # and agent_settings (what rollout() plays with) all follow a change to it. A preset's own value (WebShop's) wins
+    # over it and a flag over both; rollout() takes the settings as one object and imports no agent.py
+    import train
+    monkeypatch.setitem(agent.AGENT_DEFAULTS, "max_context", 1234)
+    assert "default 1234, or the preset's, e.g. WebShop 15000" in " ".join(train.build_parser().format_help().split())
+    assert train.parse_args([])[0].max_context == 1234 and train.parse_args(["--env", "webshop"])[0].max_context == 15000
+    assert train.parse_args(["--env", "webshop", "--max-context", "99"])[0].max_context == 99
+    assert agent.agent_settings("SimpleSokoban", {}, sample_seed=0).max_context == 1234
+    assert agent.agent_settings("WebShop", {}, sample_seed=0).max_context == 15000
+    assert agent.agent_settings("WebShop", dict(max_context=99), sample_seed=0).max_context == 99
+    assert list(inspect.signature(rollout.rollout).parameters)[:5] == ["model", "tok", "envs", "seeds", "settings"]
+    code = "import sys, rollout; assert 'agent' not in sys.modules and not any(m.startswith('env_') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
 
 TOY_ENV = '''"""Toy: say the digit shown, in one turn."""
 PRESETS = {"Toy": dict(kwargs=dict(n=3), instruction="Say the digit you see.\\n", max_actions_per_traj=1, max_tokens=20,
@@ -3850,10 +3994,10 @@ def test_a_max_context_that_holds_no_turn_is_refused(tiny, tmp_path, capsys, mon
     for key in ("Bandit", "SimpleSokoban"):
         s = agent.agent_settings(key, dict(max_new_tokens=12, max_turns=1, sample_seed=0))
         cls = agent.ENV_CLASSES[key][0]
-        need[key] = rollout.context_needed(tok, cls(**s["preset"]["kwargs"]), 10000, s["preset"], s["think"], 12)
+        need[key] = rollout.context_needed(tok, cls(**s.preset["kwargs"]), 10000, s)
         for context, turns in ((need[key], 1), (need[key] - 1, 0)):
-            out = rollout.rollout(model, tok, [cls(**s["preset"]["kwargs"])], [10000], group_size=1,
-                                  sampler=sampler.Sampler(), **dict(s, max_context=context))
+            out = rollout.rollout(model, tok, [cls(**s.preset["kwargs"])], [10000],
+                                  dataclasses.replace(s, max_context=context), group_size=1, sampler=sampler.Sampler())
             assert out["stats"]["num_turns"].tolist() == [turns], (key, context)
     assert need["Bandit"] < need["SimpleSokoban"]
     base = ["--device", "cpu", "--model", "tiny", *TINY[4:], "--env", "bandit", "--out", str(tmp_path / "run")]
@@ -4052,8 +4196,9 @@ def test_memory_plan_kv_pool_is_the_pool_the_sampler_allocates(monkeypatch, tiny
     model, tok = tiny
     monkeypatch.setattr(sampler, "_POOL", {})
     preset = FROZENLAKE_PRESETS["FrozenLake"]
-    rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2], preset, group_size=2,
-                    max_turns=1, max_new_tokens=4, max_context=1000, sampler=sampler.Sampler(static=True))
+    rollout.rollout(model, tok, [FrozenLakeEnv(**preset["kwargs"]) for _ in range(4)], [1, 1, 2, 2],
+                    loop_settings(preset, max_turns=1, max_new_tokens=4, max_context=1000), group_size=2,
+                    sampler=sampler.Sampler(static=True))
     pool = sum(x.numel() * x.element_size() for x in sampler._POOL["kv"][0] + sampler._POOL["kv"][1])
     assert memplan.plan_memory(model.config, rows=4, seq=1000, bf16=False)["kv_pool"] == pool
 
@@ -4868,11 +5013,11 @@ def demo_rollout(model, tok, key, policy, seeds, think=True, epsilon=0.5, respon
     flags.update(over)
     settings = agent.agent_settings(key, flags)
     cls, _, module = agent.ENV_CLASSES[key]
-    envs = [cls(**settings["preset"]["kwargs"]) for _ in seeds]
+    envs = [cls(**settings.preset["kwargs"]) for _ in seeds]
     respond = sft.demo_responder(policy, epsilon, seeds, settings, 7, module)
     logged = lambda b, env: respond_log.append((b, respond(b, env))) or respond_log[-1][1]
-    out = rollout.rollout(model, tok, envs, seeds, group_size=1, respond=respond if respond_log is None else logged,
-                          sampler=sampler.Sampler(), **settings)
+    out = rollout.rollout(model, tok, envs, seeds, settings, group_size=1,
+                          respond=respond if respond_log is None else logged, sampler=sampler.Sampler())
     return out, settings
 
 
@@ -4899,7 +5044,7 @@ def test_demonstration_is_what_the_sampling_rollout_lays_out(tiny, monkeypatch, 
             return [out], [[-1.0] * len(out)]
         monkeypatch.setattr(rollout, "sample_turn", forced)
         cls = agent.ENV_CLASSES[key][0]
-        sampled = rollout.rollout(model, tok, [cls(**settings["preset"]["kwargs"])], [seed], group_size=1, **settings)
+        sampled = rollout.rollout(model, tok, [cls(**settings.preset["kwargs"])], [seed], settings, group_size=1)
         monkeypatch.undo()
         assert not queue
         for k in ("tokens", "attention_mask", "loss_mask", "success", "scores"):
@@ -5161,8 +5306,8 @@ def test_eval_solver_agreement_replays_the_episodes(tiny, tmp_path, capsys):
             plan, text = module.solver_actions(env, 1), respond(b, env)
             truth[b].append(text.split()[0].lower() == plan[0].lower())
             return text
-        out = rollout.rollout(model, tok, [cls(**settings["preset"]["kwargs"]) for _ in seeds], seeds, group_size=1,
-                              respond=spy, sampler=sampler.Sampler(), **settings)
+        out = rollout.rollout(model, tok, [cls(**settings.preset["kwargs"]) for _ in seeds], seeds, settings, group_size=1,
+                              respond=spy, sampler=sampler.Sampler())
         assert ev.solver_agreement(out, key, settings, seeds, 1) == truth
         turns = [t for ts in truth for t in ts]
         assert all(turns) if policy == "solver" else 0 < sum(turns) < len(turns)

@@ -208,9 +208,10 @@ def resolve_args(args):
     if len({e for e, _ in args.env_mix}) < len(args.env_mix):
         raise ValueError("a preset appears twice in --env")
     args.env, args.num_groups = args.env_mix[0][0], sum(n for _, n in args.env_mix)
-    for key, default in agent.AGENT_DEFAULTS.items():  # RAGEN's per-env configs
-        if getattr(args, key) is None:
-            setattr(args, key, agent.ENV_CLASSES[args.env][1].get(key, default))
+    # the turn / action / context budgets, resolved once (agent.agent_settings: the flag, else the first preset's, else
+    # agent.AGENT_DEFAULTS) and kept in args: every preset of the run plays with them, args.json records them
+    s = agent.agent_settings(args.env, vars(args), sample_seed=args.seed)
+    args.max_turns, args.max_actions_per_turn, args.max_context = s.max_turns, s.max_actions_per_turn, s.max_context
     if args.val_env is None:
         mix = dict(args.env_mix)
         args.val_env = list(mix) + [test for train, test in (("Bandit", "BanditTest"), ("Bandit2", "Bandit2Test")) if train in mix]
@@ -330,12 +331,11 @@ def check_context(args, tok):
     starts = [args.seed + sum(n for _, n in args.env_mix[:i]) for i in range(len(args.env_mix))]  # step 0's groups
     firsts = [(key, seed) for (key, _), seed in zip(args.env_mix, starts)] + [(key, args.val_seed) for key in args.val_env]
     for key, seed in firsts:
-        s = agent.agent_settings(key, dict(vars(args), sample_seed=args.seed))
-        env = agent.ENV_CLASSES[key][0](**s["preset"]["kwargs"])
-        need = rollout_py.context_needed(tok, env, seed, s["preset"], s["think"], s["max_new_tokens"])
-        if s["max_context"] < need:
-            raise ValueError(f"--max-context {s['max_context']} holds no turn of {key}: its first prompt (seed {seed}) and "
-                             f"one answer of --max-new-tokens {s['max_new_tokens']} need {need} tokens")
+        s = agent.agent_settings(key, vars(args), sample_seed=args.seed)
+        need = rollout_py.context_needed(tok, agent.ENV_CLASSES[key][0](**s.preset["kwargs"]), seed, s)
+        if s.max_context < need:
+            raise ValueError(f"--max-context {s.max_context} holds no turn of {key}: its first prompt (seed {seed}) and "
+                             f"one answer of --max-new-tokens {s.max_new_tokens} need {need} tokens")
 
 
 # ----------------------------------------------------------------------------- rollouts, passes, logging
@@ -359,10 +359,10 @@ def run_rollout(st, args, presets, group_size, seed0, temperature, envs, say, wh
         if len(envs.get(preset_key, [])) < len(seeds):  # env objects are reused; validation chunks may differ in size
             envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
         t0 = time.time()
-        out = rollout_py.rollout(st.rollout_model, st.tok, envs[preset_key][:len(seeds)], seeds, group_size=group_size,
+        out = rollout_py.rollout(st.rollout_model, st.tok, envs[preset_key][:len(seeds)], seeds,
+                                 agent.agent_settings(preset_key, vars(args), sample_seed=args.seed), group_size=group_size,
                                  temperature=temperature, sampler=st.sampler,
-                                 progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"),
-                                 **agent.agent_settings(preset_key, dict(vars(args), sample_seed=args.seed)))
+                                 progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"))
         st.work["rollout_s"] += time.time() - t0
         outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}, st.ddp, st.world))
     return outs
