@@ -62,35 +62,42 @@ def build_parser():
     ragen2 = p.add_argument_group("RAGEN-2 and variants: context windows, filters, turn-level rewards, stops")
     debug = p.add_argument_group("debugging and testing: reference paths that sample the same tokens, slower")
     g = groups["environment and agent loop"]
-    common.add_argument("--env", nargs="+", default=["sokoban"], help=f"short name ({', '.join(agent.SHORT_NAMES)}) or any "
-                        "preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. SimpleSokoban:4 FrozenLake:4")
-    g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; Bandit adds BanditTest, Bandit2 Bandit2Test)")
+    common.add_argument("--env", nargs="+", default=["sokoban"], help=f"short name ({', '.join(agent.SHORT_NAMES)}) "
+                        "or any preset; several as PRESET:GROUPS to mix them (es_manager.train.env_configs), e.g. "
+                        "SimpleSokoban:4 FrozenLake:4")
+    g.add_argument("--val-env", nargs="*", default=None, help="presets to validate on (default: the train preset; "
+                   "Bandit adds BanditTest, Bandit2 Bandit2Test)")
     agent.add_agent_flags(g)  # turns, actions, tokens, think, penalty, window, sampling: shared with eval.py and sft.py
     debug.add_argument("--measure-activations", action="store_true", help="log perf/actor_saved_activations_mb: the "
-                       "bytes autograd holds for backward in an actor micro-batch (memplan.saved_bytes: a hook on every saved tensor)")
+                       "bytes autograd holds for backward in an actor micro-batch (memplan.saved_bytes: a hook on "
+                       "every saved tensor)")
     g = groups["model"]
-    common.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
+    common.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct",
+                        help="hub id, local dir, 'smollm2' (offline) or 'tiny' (tests)")
     common.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="compute dtype of forwards and rollouts "
-                   "(weights and AdamW stay fp32): auto = bf16 on CUDA (FSDP2 bf16 params, fp32 reduce) and on a CPU with "
-                   "native bf16 (AVX512-BF16 or AMX; a bf16 rollout copy, bf16 autocast), fp32 on other CPUs; fp32 is "
-                   "fp32 on a GPU too (no TF32)")
-    g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"], help="rollout sampler: static "
-                   "= fixed-shape KV pool, compiled = static + torch.compile'd decode step (CUDA graphs on GPU); auto = compiled "
-                   "on CUDA, eager on CPU. All of them sample the same tokens")
-    g.add_argument("--plan", type=int, nargs="?", const=0, default=None, metavar="RANKS", help="print the expected peak memory "
-                   "per rank by part for these flags on RANKS ranks (default: this launch's), then exit; reads the model's "
-                   "config only")
-    g.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per rank the plan must fit in (default: the CUDA "
-                   "device's; --plan off a GPU: 80, an H100); given, it is checked on any device")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="compute dtype of forwards and rollouts (weights and AdamW stay fp32): auto = bf16 on CUDA "
+                   "(FSDP2 bf16 params, fp32 reduce) and on a CPU with native bf16 (AVX512-BF16 or AMX; a bf16 rollout "
+                   "copy, bf16 autocast), fp32 on other CPUs; fp32 is fp32 on a GPU too (no TF32)")
+    g.add_argument("--sampler", default="auto", choices=["auto", "eager", "static", "compiled"],
+                   help="rollout sampler: static = fixed-shape KV pool, compiled = static + torch.compile'd decode "
+                   "step (CUDA graphs on GPU); auto = compiled on CUDA, eager on CPU. "
+                   "All of them sample the same tokens")
+    g.add_argument("--plan", type=int, nargs="?", const=0, default=None, metavar="RANKS",
+                   help="print the expected peak memory per rank by part for these flags on RANKS ranks (default: this "
+                   "launch's), then exit; reads the model's config only")
+    g.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per rank the plan must fit in "
+                   "(default: the CUDA device's; --plan off a GPU: 80, an H100); given, it is checked on any device")
     g.add_argument("--force", action="store_true", help="start even when the memory plan does not fit the device")
     g.add_argument("--grad-checkpointing", action="store_true", help="trade compute for memory in the updates")
-    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft on the actor and the critic trunk, base weights "
-                   "frozen (0 = full fine-tuning; RAGEN base-lora.yaml: 64, with lr x10)")
-    g.add_argument("--lora-alpha", type=float, default=64, help="LoRA alpha; the update is scaled by alpha / rank (RAGEN: 64)")
-    g.add_argument("--lora-target", default="all-linear", help="peft target_modules: all-linear (every Linear but lm_head) or "
-                   "comma-separated names, e.g. q_proj,v_proj")
-    g.add_argument("--save-adapter", action="store_true", help="with --lora-rank, also write the adapter alone (peft format) to <out>/hf/adapter")
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft on the actor and the critic trunk, "
+                   "base weights frozen (0 = full fine-tuning; RAGEN base-lora.yaml: 64, with lr x10)")
+    g.add_argument("--lora-alpha", type=float, default=64,
+                   help="LoRA alpha; the update is scaled by alpha / rank (RAGEN: 64)")
+    g.add_argument("--lora-target", default="all-linear", help="peft target_modules: all-linear "
+                   "(every Linear but lm_head) or comma-separated names, e.g. q_proj,v_proj")
+    g.add_argument("--save-adapter", action="store_true",
+                   help="with --lora-rank, also write the adapter alone (peft format) to <out>/hf/adapter")
     add_algorithm_flags(common, groups["batch sizes"], groups["algorithm"], ragen2)
     add_run_flags(common, groups, ragen2)
     return p
@@ -98,30 +105,44 @@ def build_parser():
 
 def add_algorithm_flags(common, batch, g, ragen2):
     """The batch sizes, the filter, the advantage and the losses."""
-    common.add_argument("--num-groups", type=int, default=8, help="env groups per rollout (es_manager.train.env_groups)")
+    common.add_argument("--num-groups", type=int, default=8,
+                        help="env groups per rollout (es_manager.train.env_groups)")
     common.add_argument("--group-size", type=int, default=16, help="rollouts per group, all from the same seed")
-    common.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this fraction of groups "
-                        "(StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, min_p this fraction of the best")
+    common.add_argument("--filter-ratio", type=float, default=0.25, help="the filter's value: top_k keeps this "
+                        "fraction of groups (StarPO-S; 1 = no filter), top_k_abs this many, top_p this mass, "
+                        "min_p this fraction of the best")
     ragen2.add_argument("--filter-type", default="std", choices=["std", "std_rev"],
-                        help="keep the groups with the largest (std) or smallest (std_rev) statistic (RAGEN-2: largest / smallest)")
-    ragen2.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"], help="RAGEN-2 filter strategy")
-    ragen2.add_argument("--filter-metric", default="reward_std", choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
-                        help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of the "
-                        "trajectories' mean token entropy, mean response length")
-    ragen2.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"], help="top_p: score-sum rule or softmax mass")
-    ragen2.add_argument("--filter-drop-zero", action="store_true", help="drop groups whose statistic is 0 before ranking (include_zero=False)")
+                        help="keep the groups with the largest (std) or smallest (std_rev) statistic "
+                        "(RAGEN-2: largest / smallest)")
+    ragen2.add_argument("--filter-strategy", default="top_k", choices=["top_k", "top_k_abs", "top_p", "min_p"],
+                        help="RAGEN-2 filter strategy")
+    ragen2.add_argument("--filter-metric", default="reward_std",
+                        choices=["reward_std", "reward_mean", "entropy", "entropy_std", "length"],
+                        help="per-group statistic the filter ranks: in-group std or mean of the scores, mean or std of "
+                        "the trajectories' mean token entropy, mean response length")
+    ragen2.add_argument("--filter-top-p-mode", default="linear", choices=["linear", "softmax"],
+                        help="top_p: score-sum rule or softmax mass")
+    ragen2.add_argument("--filter-drop-zero", action="store_true",
+                        help="drop groups whose statistic is 0 before ranking (include_zero=False)")
     ragen2.add_argument("--filter-eps", type=float, default=0.01, help="linear top_p threshold = value * sum - eps")
-    ragen2.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"], help="advantages x kept group fraction (or its sqrt)")
-    ragen2.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"], help="make a varying kept row count a multiple "
-                        "of the mini-batch size: duplicate or drop random rows")
-    ragen2.add_argument("--empty-stop-steps", type=int, default=5, help="stop after this many steps in a row with nothing to train (0 = never)")
-    common.add_argument("--mini-batch-size", type=int, default=32, help="trajectories per optimizer step (ppo_mini_batch_size)")
-    batch.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward/backward on a rank (memory only, same maths)")
+    ragen2.add_argument("--filter-loss-scaling", default="none", choices=["none", "linear", "sqrt"],
+                        help="advantages x kept group fraction (or its sqrt)")
+    ragen2.add_argument("--batch-adjust", default="copy", choices=["copy", "delete"],
+                        help="make a varying kept row count a multiple of the mini-batch size: "
+                        "duplicate or drop random rows")
+    ragen2.add_argument("--empty-stop-steps", type=int, default=5,
+                        help="stop after this many steps in a row with nothing to train (0 = never)")
+    common.add_argument("--mini-batch-size", type=int, default=32,
+                        help="trajectories per optimizer step (ppo_mini_batch_size)")
+    batch.add_argument("--micro-batch-size", type=int, default=4,
+                       help="rows per forward/backward on a rank (memory only, same maths)")
     batch.add_argument("--ppo-epochs", type=int, default=1, help="passes over the kept rollout")
     common.add_argument("--algo", default="ppo", choices=ALGOS,
-                        help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, drgrpo = minus the "
-                        "group mean, rloo = minus the mean of the others, reinforce_pp(_baseline) = REINFORCE++ (veRL)")
-    g.add_argument("--vanilla", action="store_true", help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
+                        help="ppo = critic + GAE; the others have no critic: grpo = group-normalised scores, "
+                        "drgrpo = minus the group mean, rloo = minus the mean of the others, "
+                        "reinforce_pp(_baseline) = REINFORCE++ (veRL)")
+    g.add_argument("--vanilla", action="store_true",
+                   help="vanilla StarPO: no filter, clip 0.2/0.2, KL loss 0.001 (overrides those flags)")
     g.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
     g.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher, DAPO)")
     g.add_argument("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages (0 = off)")
@@ -132,14 +153,19 @@ def add_algorithm_flags(common, batch, g, ragen2):
     g.add_argument("--kl-type", default="kl", choices=["kl", "abs", "mse", "low_var_kl"], help="k1 / |k1| / k2 / k3")
     g.add_argument("--gamma", type=float, default=1.0, help="GAE discount over action tokens")
     g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    ragen2.add_argument("--bi-level-gae", action="store_true", help="turn-level discount across turns, token-level GAE inside turns")
+    ragen2.add_argument("--bi-level-gae", action="store_true",
+                        help="turn-level discount across turns, token-level GAE inside turns")
     ragen2.add_argument("--high-level-gamma", type=float, default=0.95, help="turn-level discount for --bi-level-gae")
-    ragen2.add_argument("--turn-rewards", action="store_true", help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
-    g.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"], help="score normalisation (default: identity for ppo, mean_std for grpo)")
+    ragen2.add_argument("--turn-rewards", action="store_true",
+                        help="put each turn's reward on its last token (use_turn_scores; no penalty, no normalisation)")
+    g.add_argument("--reward-norm", default=None, choices=["identity", "mean", "mean_std", "asym_clip"],
+                   help="score normalisation (default: identity for ppo, mean_std for grpo)")
     ragen2.add_argument("--reward-norm-grouping", default="state", choices=["state", "batch", "inductive"],
-                        help="which scores are normalised together: a group (same initial state), the whole batch, or one env tag (inductive)")
+                        help="which scores are normalised together: a group (same initial state), the whole batch, or "
+                        "one env tag (inductive)")
     g.add_argument("--value-clip", type=float, default=0.5, help="critic value clipping")
-    g.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"], help="old log-probs from a forward before the update (RAGEN) or from the sampler")
+    g.add_argument("--old-logp", default="recompute", choices=["recompute", "sampler"],
+                   help="old log-probs from a forward before the update (RAGEN) or from the sampler")
 
 
 def add_run_flags(common, groups, ragen2):
@@ -149,33 +175,39 @@ def add_run_flags(common, groups, ragen2):
     common.add_argument("--lr", type=float, default=1e-6, help="actor AdamW learning rate")
     g.add_argument("--critic-lr", type=float, default=1e-5, help="critic AdamW learning rate")
     g.add_argument("--critic-warmup", type=int, default=0, help="PPO: the first N steps update the critic alone "
-                   "(veRL's trainer.critic_warmup = N + 1: it counts steps from 1 and updates the actor from that step on)")
+                   "(veRL's trainer.critic_warmup = N + 1: it counts steps from 1 and updates the actor "
+                   "from that step on)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
     g = groups["validation"]
-    g.add_argument("--val-every", type=int, default=10, help="validate every N steps, before training and at the end (0 = never)")
+    g.add_argument("--val-every", type=int, default=10,
+                   help="validate every N steps, before training and at the end (0 = never)")
     g.add_argument("--val-groups", type=int, default=256, help="validation episodes per val preset (fixed seeds)")
-    g.add_argument("--val-temperature", type=float, default=0.5, help="validation sampling temperature (RAGEN val_kwargs)")
+    g.add_argument("--val-temperature", type=float, default=0.5,
+                   help="validation sampling temperature (RAGEN val_kwargs)")
     g.add_argument("--val-seed", type=int, default=123, help="first validation seed (RAGEN seed.val)")
-    ragen2.add_argument("--collapse-every", type=int, default=5, help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N steps (0 = never; "
-                        "off when a context window cuts episodes into rows)")
+    ragen2.add_argument("--collapse-every", type=int, default=5,
+                        help="RAGEN-2 collapse diagnostics (prompt-reasoning MI, retrieval) at step 0 and every N "
+                        "steps (0 = never; off when a context window cuts episodes into rows)")
     g = groups["run"]
-    g.add_argument("--demo", action="store_true", help=f"the offline CPU demo (README): {DEMO}; flags given with it override these")
+    g.add_argument("--demo", action="store_true",
+                   help=f"the offline CPU demo (README): {DEMO}; flags given with it override these")
     g.add_argument("--seed", type=int, default=10000, help="first train env seed; step s uses seed + s*num_groups + g")
     common.add_argument("--out", default=None, help="run directory (default runs/<preset>-<algo>-<time>)")
     common.add_argument("--resume", default=None, help="continue the run in this directory from its checkpoint")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
-    g.add_argument("--keep-hf", action="store_true", help="every checkpoint also leaves its HF directory as <out>/step<N> (N steps "
-                   "done), to judge any of them later (hf/ holds only the last)")
-    g.add_argument("--log-trajectories-every", type=int, default=10, help="dump rollouts as JSONL every N steps (0 = never)")
-    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log each metrics.jsonl line, and the args as config, "
-                   "to this wandb project (pip install -r requirements-wandb.txt); the run is named after --out, its files go "
-                   "to <out>/wandb, a --resume continues it; offline unless WANDB_MODE says otherwise: upload later with "
-                   "wandb sync <out>/wandb/offline-run-*")
-    g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective (rank 0 "
-                   "writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
-    ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed (10 steps under 10%% "
-                        "of the first 10), or validation success under 1%% 5 times in a row")
+    g.add_argument("--keep-hf", action="store_true", help="every checkpoint also leaves its HF directory as "
+                   "<out>/step<N> (N steps done), to judge any of them later (hf/ holds only the last)")
+    g.add_argument("--log-trajectories-every", type=int, default=10,
+                   help="dump rollouts as JSONL every N steps (0 = never)")
+    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log each metrics.jsonl line, and the args as "
+                   "config, to this wandb project (pip install -r requirements-wandb.txt); the run is named after "
+                   "--out, its files go to <out>/wandb, a --resume continues it; offline unless WANDB_MODE says "
+                   "otherwise: upload later with wandb sync <out>/wandb/offline-run-*")
+    g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective "
+                   "(rank 0 writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
+    ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed "
+                        "(10 steps under 10%% of the first 10), or validation success under 1%% 5 times in a row")
 
 
 def parse_args(argv, world=1):
@@ -214,7 +246,8 @@ def resolve_args(args):
     args.max_turns, args.max_actions_per_turn, args.max_context = s.max_turns, s.max_actions_per_turn, s.max_context
     if args.val_env is None:
         mix = dict(args.env_mix)
-        args.val_env = list(mix) + [test for train, test in (("Bandit", "BanditTest"), ("Bandit2", "Bandit2Test")) if train in mix]
+        args.val_env = list(mix) + [test for train, test in (("Bandit", "BanditTest"), ("Bandit2", "Bandit2Test"))
+                                    if train in mix]
     args.val_env = [agent.preset_name(v) for v in args.val_env]
     args.critic = args.algo in CRITIC_ALGOS  # a value function to learn: the critic model and its update
     if args.critic_warmup < 0 or (args.critic_warmup and not args.critic):
@@ -224,11 +257,14 @@ def resolve_args(args):
     if args.max_context_window == 0 or args.max_context_window < -1:
         raise ValueError("--max-context-window is -1 (all turns) or k >= 1")
     if windowed(args) and (args.turn_rewards or args.bi_level_gae):
-        raise ValueError("--turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, no --max-context-window")
+        raise ValueError("--turn-rewards and --bi-level-gae need whole episodes: --context-window-mode full, "
+                         "no --max-context-window")
     if args.context_window_mode == "full" and args.max_context_window > 0 and args.old_logp == "sampler":
-        raise ValueError("with a window in full mode the row's earlier answers were sampled under a longer prompt; use --old-logp recompute")
+        raise ValueError("with a window in full mode the row's earlier answers were sampled under a longer prompt; "
+                         "use --old-logp recompute")
     if args.turn_rewards and args.algo in ("drgrpo", "rloo", "reinforce_pp_baseline"):
-        raise ValueError(f"--algo {args.algo} scores whole episodes; --turn-rewards works with ppo, grpo and reinforce_pp")
+        raise ValueError(f"--algo {args.algo} scores whole episodes; "
+                         "--turn-rewards works with ppo, grpo and reinforce_pp")
     if args.plan is not None and args.plan < 0:
         raise ValueError(f"--plan {args.plan}: the number of ranks to plan for is >= 1 (bare --plan: this launch's)")
     if args.lora_rank < 0:
@@ -253,22 +289,25 @@ def check_batch_sizes(args, world):
         kept_groups = min(int(args.filter_ratio), args.num_groups)
     kept_rows = kept_groups * args.group_size
     # top_k keeps a known number of groups of whole episodes; otherwise the kept row count varies from step to step
-    # and is brought to a multiple of lcm(mini-batch, ranks) by --batch-adjust (RAGEN-2: lcm(env_groups, mini-batch, GPUs))
+    # and is brought to a multiple of lcm(mini-batch, ranks) by --batch-adjust
+    # (RAGEN-2: lcm(env_groups, mini-batch, GPUs))
     fixed_keep = args.filter_strategy in ("top_k", "top_k_abs") and not args.filter_drop_zero and not windowed(args)
     if args.num_groups % world:
         raise ValueError(f"--num-groups {args.num_groups} cannot be split over {world} ranks")
     if any(n % world for _, n in args.env_mix):
         raise ValueError(f"each mixed preset's groups must split over {world} ranks: {args.env_mix}")
     if fixed_keep and (kept_rows < args.mini_batch_size or kept_rows % args.mini_batch_size):
-        raise ValueError(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, which is not a "
-                         f"positive multiple of --mini-batch-size {args.mini_batch_size}; change --filter-ratio, --num-groups or --mini-batch-size")
+        raise ValueError(f"the filter keeps {kept_groups} groups x {args.group_size} = {kept_rows} trajectories, "
+                         f"which is not a positive multiple of --mini-batch-size {args.mini_batch_size}; "
+                         "change --filter-ratio, --num-groups or --mini-batch-size")
     if args.mini_batch_size % world:
         raise ValueError(f"--mini-batch-size {args.mini_batch_size} must divide over {world} ranks")
     if args.val_groups % world:
         raise ValueError(f"--val-groups {args.val_groups} must divide over {world} ranks")
     return (f"keep {kept_groups} groups = {kept_rows}, {args.ppo_epochs * kept_rows // args.mini_batch_size} optimizer "
             f"steps per step" if fixed_keep else
-            f"keep a varying number of rows, {args.batch_adjust} to a multiple of {math.lcm(args.mini_batch_size, world)}")
+            f"keep a varying number of rows, {args.batch_adjust} "
+            f"to a multiple of {math.lcm(args.mini_batch_size, world)}")
 
 
 # ----------------------------------------------------------------------------- where it runs, what it trains
@@ -309,18 +348,20 @@ def build_models(args, device, ddp, rank, world):
     """The State: the models (fsdp.build_models), their AdamW optimisers, the sampler and the autocast."""
     bf16 = args.compute_dtype == "bf16"  # the GPU's settings, on a CPU too: a bf16 rollout copy, bf16 autocast
     m = fsdp.build_models(args.model, device, ddp, rank, bf16, with_critic=args.critic, with_ref=args.kl_coef > 0,
-                          lora=(args.lora_rank, args.lora_alpha, args.lora_target), grad_checkpointing=args.grad_checkpointing)
+                          lora=(args.lora_rank, args.lora_alpha, args.lora_target),
+                          grad_checkpointing=args.grad_checkpointing)
     actor, critic = m["actor"], m["critic"]
     return State(
-        device=device, actor=actor, tok=m["tok"], rollout_model=m["rollout_model"], critic=critic, ref=m["ref"], ddp=ddp,
-        rank=rank, world=world, lora_config=m["lora_config"], lora_base=m["lora_base"],
+        device=device, actor=actor, tok=m["tok"], rollout_model=m["rollout_model"], critic=critic, ref=m["ref"],
+        ddp=ddp, rank=rank, world=world, lora_config=m["lora_config"], lora_base=m["lora_base"],
         opt=torch.optim.AdamW(actor.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay),
         critic_opt=None if critic is None else torch.optim.AdamW(critic.parameters(), lr=args.critic_lr,
                                                                  betas=(0.9, 0.999), weight_decay=args.weight_decay),
         sampler=sampler_py.sampler_settings(device, args.sampler),  # auto: static + compiled exactly on CUDA
         autocast=(lambda: torch.autocast(device.type, torch.bfloat16)) if bf16 else nullcontext,
         # the trunk passes (old log-probs, values, updates) run the prefix the micro-batch's rows share once (a kept
-        # group's first prompt): HF's KV cache, which gradient checkpointing turns off; one process only (FSDP2 runs one forward)
+        # group's first prompt): HF's KV cache, which gradient checkpointing turns off; one process only
+        # (FSDP2 runs one forward)
         share_prefix=not (args.no_prefix_sharing or args.grad_checkpointing or ddp))
 
 
@@ -329,13 +370,14 @@ def check_context(args, tok):
     episode it plays (its first training group's seed, or --val-seed) needs its first prompt in tok's tokens, one
     answer's --max-new-tokens and the end-of-turn tokens (rollout.context_needed); in less, no turn is played."""
     starts = [args.seed + sum(n for _, n in args.env_mix[:i]) for i in range(len(args.env_mix))]  # step 0's groups
-    firsts = [(key, seed) for (key, _), seed in zip(args.env_mix, starts)] + [(key, args.val_seed) for key in args.val_env]
+    firsts = ([(key, seed) for (key, _), seed in zip(args.env_mix, starts)]
+              + [(key, args.val_seed) for key in args.val_env])
     for key, seed in firsts:
         s = agent.agent_settings(key, vars(args), sample_seed=args.seed)
         need = rollout_py.context_needed(tok, agent.ENV_CLASSES[key][0](**s.preset["kwargs"]), seed, s)
         if s.max_context < need:
-            raise ValueError(f"--max-context {s.max_context} holds no turn of {key}: its first prompt (seed {seed}) and "
-                             f"one answer of --max-new-tokens {s.max_new_tokens} need {need} tokens")
+            raise ValueError(f"--max-context {s.max_context} holds no turn of {key}: its first prompt (seed {seed}) "
+                             f"and one answer of --max-new-tokens {s.max_new_tokens} need {need} tokens")
 
 
 # ----------------------------------------------------------------------------- rollouts, passes, logging
@@ -360,11 +402,12 @@ def run_rollout(st, args, presets, group_size, seed0, temperature, envs, say, wh
             envs[preset_key] = [cls(**preset["kwargs"]) for _ in seeds]
         t0 = time.time()
         out = rollout_py.rollout(st.rollout_model, st.tok, envs[preset_key][:len(seeds)], seeds,
-                                 agent.agent_settings(preset_key, vars(args), sample_seed=args.seed), group_size=group_size,
-                                 temperature=temperature, sampler=st.sampler,
+                                 agent.agent_settings(preset_key, vars(args), sample_seed=args.seed),
+                                 group_size=group_size, temperature=temperature, sampler=st.sampler,
                                  progress=lambda t, n: say(f"{what} {preset_key} turn {t}/{n}"))
         st.work["rollout_s"] += time.time() - t0
-        outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()}, st.ddp, st.world))
+        outs.append(ranks.all_gather_rows({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in out.items()},
+                                          st.ddp, st.world))
     return outs
 
 
@@ -412,11 +455,12 @@ def forward_pass(st, args, model, batch, what, skip_first=False):
             if what == "values":
                 x = model(tokens, am, st.share_prefix)
             else:  # only the sampled tokens' positions (lm) go through lm_head
-                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature, with_entropy=what == "entropy",
-                                          mask=lm, share_prefix=st.share_prefix)
+                x = starpo.token_logprobs(model, tokens, am, temperature=args.temperature,
+                                          with_entropy=what == "entropy", mask=lm, share_prefix=st.share_prefix)
                 x = x[1] if what == "entropy" else x[0]
         res[mb, :x.shape[1]] = x.float()
-    if st.ddp:  # FSDP2 keeps the root (embeddings, lm_head) gathered after a forward, for the backward no-grad never runs
+    # FSDP2 keeps the root (embeddings, lm_head) gathered after a forward, for the backward no-grad never runs
+    if st.ddp:
         model.reshard()
     if st.ddp and n:
         dist.all_reduce(res)  # each row is filled on exactly one rank, zeros elsewhere
@@ -441,7 +485,8 @@ def log_observations(st, args, outs, step):
         return
     with open(os.path.join(args.out, "observations.jsonl"), "a") as f:
         for (key, _), o in zip(args.env_mix, outs):
-            f.write(json.dumps(dict(step=step, preset=key, observations=sorted({s for e in o["states"] for s in e}))) + "\n")
+            f.write(json.dumps(dict(step=step, preset=key,
+                                    observations=sorted({s for e in o["states"] for s in e}))) + "\n")
 
 
 def dump_trajectories(st, args, out, name, n=16):
@@ -494,7 +539,8 @@ def filter_rows(st, args, out, scores, step):
         else:  # the actor's entropy (RAGEN-2 EntropyRolloutFilter); rows padded to a multiple of world for FSDP
             padded = {k: out[k][torch.arange(len(ep) + (-len(ep)) % st.world).clamp(max=max(len(ep) - 1, 0))]
                       for k in ("tokens", "attention_mask", "loss_mask")}
-            per_row = forward_pass(st, args, st.actor, padded, "entropy")[:len(ep)].sum(1) / out["loss_mask"].sum(1).clamp(min=1)
+            per_row = (forward_pass(st, args, st.actor, padded, "entropy")[:len(ep)].sum(1)
+                       / out["loss_mask"].sum(1).clamp(min=1))
         ranked = torch.zeros(len(scores)).index_add_(0, ep, per_row)
         if args.filter_metric != "length":
             ranked = ranked / torch.bincount(ep, minlength=len(scores)).clamp(min=1)
@@ -505,14 +551,17 @@ def filter_rows(st, args, out, scores, step):
     m = {}
     if ranked is not scores:  # the ranked metric under its own name; rollout/in_group_* stay the reward's
         m.update({f"rollout/{args.filter_metric}/{k}": v for k, v in fstats.items()})
-        fstats = {k: v for k, v in starpo.filter_groups(scores, args.group_size, 1.0)[1].items() if not k.startswith("chosen")}
+        fstats = {k: v for k, v in starpo.filter_groups(scores, args.group_size, 1.0)[1].items()
+                  if not k.startswith("chosen")}
     m.update({f"rollout/{k}": v for k, v in fstats.items()})
     m["rollout/kept_fraction"] = kept_ratio = keep.float().mean().item()  # RAGEN-2 filter_kept_ratio
     idx = keep[ep].nonzero().squeeze(1)                                   # [K0] rows of the kept episodes, in order
     m["rollout/empty_after_filter"], m["train/real_batch_size"] = float(len(idx) == 0), len(idx)
     g = torch.Generator().manual_seed(args.seed * 100003 + step)          # the same draw on every rank, and on resume
-    idx = idx[starpo.adjust_rows(len(idx), math.lcm(args.mini_batch_size, st.world), args.batch_adjust, g)]  # [K] a no-op for a fixed top_k count
-    m["train/empty_after_adjust"], m["train/batch_size"] = float(len(idx) == 0 and m["train/real_batch_size"] > 0), len(idx)
+    idx = idx[starpo.adjust_rows(len(idx), math.lcm(args.mini_batch_size, st.world),
+                                 args.batch_adjust, g)]  # [K] a no-op for a fixed top_k count
+    m["train/empty_after_adjust"], m["train/batch_size"] = (float(len(idx) == 0 and m["train/real_batch_size"] > 0),
+                                                            len(idx))
     return idx, kept_ratio, m
 
 
@@ -570,7 +619,8 @@ def advantages(args, batch, values, scores, groups, kept_ratio):
     else:  # grpo, drgrpo, rloo, reinforce_pp_baseline on the kept episodes, each counted once however many rows it
         # has (RAGEN-2 dedups (uid, episode) for GRPO). With grpo's default --reward-norm mean_std the scores are
         # already group-normalised and this is the identity up to eps; RAGEN-2 runs it on --reward-norm identity
-        eps_kept, row_of = batch["episode"].unique(return_inverse=True)  # [E] kept episodes, [K] each row's place in them
+        # [E] kept episodes, [K] each row's place in them
+        eps_kept, row_of = batch["episode"].unique(return_inverse=True)
         adv = starpo.group_advantages(scores[eps_kept], groups[eps_kept], args.algo)[row_of][:, None] * mask
         if args.algo == "reinforce_pp_baseline":  # veRL then whitens over the batch's tokens
             adv = starpo.masked_whiten(adv, mask)
@@ -637,7 +687,8 @@ def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_ol
             part["actor/kl_loss"] = part.get("actor/kl_loss", 0.0) + kl_loss.item()
         (loss * st.world).backward()
         part["actor/pg_loss"] = part.get("actor/pg_loss", 0.0) + pg_loss.item()
-        part["actor/entropy"] = part.get("actor/entropy", 0.0) + (ent * mmask).sum().item() / max(counts["token_count"], 1)
+        part["actor/entropy"] = (part.get("actor/entropy", 0.0)
+                                 + (ent * mmask).sum().item() / max(counts["token_count"], 1))
         for k, x in pm.items():
             acc.setdefault(f"actor/{k}", []).append(float(x))
     acc["actor/grad_norm"] = [starpo.clip_and_step(st.actor, st.opt, args.grad_clip)]
@@ -652,13 +703,15 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
     st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if st.critic is not None:
         st.critic.train()
-    minibatches = partition(st, args, len(batch["tokens"]))  # [(rows, this rank's micro-batches of them)], as forward_pass
+    # [(rows, this rank's micro-batches of them)], as forward_pass
+    minibatches = partition(st, args, len(batch["tokens"]))
     for epoch in range(args.ppo_epochs):
         for i, (mb_rows, mine) in enumerate(minibatches):
             say(f"update mini-batch {epoch * len(minibatches) + i + 1}/{args.ppo_epochs * len(minibatches)}")
             mask = batch["mask"][mb_rows]  # global token / row counts of this mini-batch (known on every rank)
             counts = dict(token_count=mask.sum().item(), seq_count=int(mask.any(-1).sum()))  # rows with a loss token
-            part, got = critic_update(st, args, mine, batch, returns, values, counts) if st.critic is not None else ({}, {})
+            part, got = (critic_update(st, args, mine, batch, returns, values, counts) if st.critic is not None
+                         else ({}, {}))
             actor_part, actor_got = {}, {}
             if actor_on:
                 fill_old = epoch == 0 and i == 0 and args.old_logp == "recompute"  # see old_logprobs
@@ -672,7 +725,8 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
                     print0(f"step {step}: non-finite actor gradient, update skipped ({monitor['skipped']} so far)")
             for k, x in list(got.items()) + list(actor_got.items()):
                 acc.setdefault(k, []).extend(x)
-            for k, x in {**part, **actor_part}.items():  # x * world: all_reduce_mean below then sums the ranks' partials
+            # x * world: all_reduce_mean below then sums the ranks' partials
+            for k, x in {**part, **actor_part}.items():
                 acc.setdefault(k, []).append(x * st.world)
     st.actor.eval()
     if st.critic is not None:
@@ -695,15 +749,18 @@ def work_metrics(st, out, monitor):
     bwd = w[1].item()
     for k, v in (("forward_tokens", fwd), ("backward_tokens", bwd), ("compute_tokens", fwd + 2 * bwd)):
         monitor[k] = monitor.get(k, 0.0) + v  # (a checkpoint written before these counts: from 0)
-    return {"work/forward_tokens": fwd, "work/backward_tokens": bwd, "work/forward_tokens_total": monitor["forward_tokens"],
-            "work/backward_tokens_total": monitor["backward_tokens"], "work/compute_tokens_total": monitor["compute_tokens"]}
+    return {"work/forward_tokens": fwd, "work/backward_tokens": bwd,
+            "work/forward_tokens_total": monitor["forward_tokens"],
+            "work/backward_tokens_total": monitor["backward_tokens"],
+            "work/compute_tokens_total": monitor["compute_tokens"]}
 
 
 def step_summary(st, args, m, timing, out, batch):
     """Timings, throughput and memory of a step for its metrics, and the progress bar's line."""
     perf = {f"timing_s/{k}": v for k, v in timing.items()}
     perf["perf/rollout_tokens_per_s"] = out["stats"]["response_tokens"].sum().item() / max(timing["rollout"], 1e-9)
-    perf["perf/update_tokens_per_s"] = batch["attention_mask"].sum().item() * args.ppo_epochs / max(timing["update"], 1e-9)
+    perf["perf/update_tokens_per_s"] = (batch["attention_mask"].sum().item() * args.ppo_epochs
+                                        / max(timing["update"], 1e-9))
     if st.device.type == "cuda":
         perf["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(st.device) / 2**30
     line = (f"score {m[f'train/{args.env}/score']:.3f} succ {m[f'train/{args.env}/success']:.2f} "
@@ -726,7 +783,8 @@ def train_loop(st, args, start_step, monitor):
     (checkpointed with the run). Returns the early stop (metric name, message), or None."""
     from tqdm import tqdm
     train_envs, val_envs = {}, {}
-    bar = tqdm(range(start_step, args.steps), disable=st.rank != 0, initial=start_step, total=args.steps, dynamic_ncols=True)
+    bar = tqdm(range(start_step, args.steps), disable=st.rank != 0, initial=start_step, total=args.steps,
+               dynamic_ncols=True)
     stop = None
     for step in bar:
         say = functools.partial(phase, bar, step)
@@ -764,7 +822,8 @@ def train_loop(st, args, start_step, monitor):
             scores = normalised_scores(args, out, outs)  # [N]
             idx, kept_ratio, fm = filter_rows(st, args, out, scores, step)  # [K]
             m.update(fm)
-            batch = {k: out[k][idx] for k in ("tokens", "attention_mask", "loss_mask", "old_logp", "episode")}  # [K, T] / [K]
+            batch = {k: out[k][idx]
+                     for k in ("tokens", "attention_mask", "loss_mask", "old_logp", "episode")}  # [K, T] / [K]
             batch["mask"] = batch["loss_mask"].float()  # [K, T] tokens the policy sampled
             batch["rewards"] = place_rewards(args, out, idx, batch["mask"], scores)  # [K, T]
 
@@ -782,9 +841,11 @@ def train_loop(st, args, start_step, monitor):
         # 5. PPO updates, then the rollout copy takes the new weights
         with timed(timing, "update"):
             m.update(update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say))
-            if args.old_logp == "recompute" and old_logp is not None:  # complete now: the sampler's mean distance from it
-                m["rollout/sampler_logp_abs_diff"] = (((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
-                                                      / max(batch["mask"].sum().item(), 1))
+            # complete now: the sampler's mean distance from it
+            if args.old_logp == "recompute" and old_logp is not None:
+                m["rollout/sampler_logp_abs_diff"] = (
+                    ((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
+                    / max(batch["mask"].sum().item(), 1))
         with timed(timing, "sync"):
             m["perf/sync_gathered_mb"] = sync_rollout_weights(st, args) / 2**20
 
@@ -803,8 +864,8 @@ def train_loop(st, args, start_step, monitor):
         bar.set_postfix_str(line)
         if stop or step == args.steps - 1 or (args.save_every > 0 and (step + 1) % args.save_every == 0):
             say("checkpoint")
-            checkpoint.save_checkpoint(args, step, monitor, st.actor, st.opt, st.critic, st.critic_opt, st.rollout_model,
-                                       st.tok, st.lora_config, st.rank)
+            checkpoint.save_checkpoint(args, step, monitor, st.actor, st.opt, st.critic, st.critic_opt,
+                                       st.rollout_model, st.tok, st.lora_config, st.rank)
         if stop:
             print0(f"step {step}: stopping early: {stop[1]} (checkpoint in {args.out})")
             break
@@ -836,8 +897,8 @@ def start_wandb(args, resumed):
     import wandb
     id_path = os.path.join(args.out, "wandb_run_id")
     run_id = open(id_path).read() if resumed and os.path.exists(id_path) else None
-    run = wandb.init(project=args.wandb, name=os.path.basename(os.path.normpath(args.out)), config=vars(args), dir=args.out,
-                     id=run_id, resume="allow", mode=os.environ.get("WANDB_MODE", "offline"))
+    run = wandb.init(project=args.wandb, name=os.path.basename(os.path.normpath(args.out)), config=vars(args),
+                     dir=args.out, id=run_id, resume="allow", mode=os.environ.get("WANDB_MODE", "offline"))
     with open(id_path, "w") as f:
         f.write(run.id)
     return run
@@ -887,7 +948,8 @@ def main(argv=None):
     except ValueError as e:
         die(e)
     start_step, monitor = checkpoint.load_checkpoint(args, ckpt, st.actor, st.opt, st.critic, st.critic_opt)
-    resumed, ckpt = ckpt is not None, None  # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
+    # drop the mapped tensors, so the file is freed once a new ckpt.pt replaces it
+    resumed, ckpt = ckpt is not None, None
     if resumed:
         print0(f"resumed {args.out} at step {start_step}")
     sync_rollout_weights(st, args)
