@@ -697,8 +697,8 @@ def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_ol
 
 def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
-    step (with a critic), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient skips its
-    step (counted in monitor). Returns the metrics averaged over mini-batches and ranks."""
+    step (with a critic), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient
+    skips its step (counted in monitor). Returns the metrics averaged over mini-batches and ranks."""
     acc, actor_on = {}, step >= args.critic_warmup
     st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if st.critic is not None:
