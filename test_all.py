@@ -2795,6 +2795,31 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
     assert len(sample) == 1 and len(rec.graphs) - len(sample) <= 2, [g["inputs"] for g in rec.graphs]
 
 
+def test_compiled_decode_records_a_bounded_number_of_cuda_graphs_as_conversations_grow(monkeypatch, tiny):
+    # CUDA graph trees record one graph per distinct set of integer inputs of a compiled graph (the decode step's key
+    # length, once dynamo has made it symbolic) and Inductor warns past 8 a graph. A rollout at --max-context 3600
+    # whose conversations grow through most key lengths: at most 8 recordings per graph and 9 for the decode step
+    # (its first graph, compiled at a fixed key length, records once), counted by the replay emulation; the tokens
+    # are the eager path's
+    import gpu_check
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Right"], True))
+    long_game = dict(CORRIDOR, max_actions_per_traj=100)
+    outs, replay = [], gpu_check.GraphReplayBackend()
+    for how in (None, sampler.Sampler(static=True, compile=replay, check_every=8)):
+        torch._dynamo.reset()
+        monkeypatch.setattr(sampler, "_POOL", {})
+        monkeypatch.setattr(sampler, "_COMPILED", {})
+        envs = [LongThenDoneEnv(10, ends=False) for _ in range(2)]  # a turn adds ~250 tokens (prompt, 10-token state)
+        outs.append(rollout.rollout(model, tok, envs, [0, 1], long_game, group_size=1, max_turns=20, max_new_tokens=6,
+                                    max_context=3600, think=False, sample_seed=1, sampler=how))
+    eager, fast = outs
+    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
+    assert fast["attention_mask"].sum(1).min() > 3300  # every conversation grew to near --max-context
+    decode = [keys for keys in replay.recorded if any(keys)]  # graphs with an integer input: the decode step's
+    assert all(len(keys) <= 8 for keys in replay.recorded) and sum(len(keys) for keys in decode) <= 9, replay.recorded
+
+
 def cuda_layout_sdpa(real):
     """F.scaled_dot_product_attention with the output layout of CUDA's memory-efficient and flash kernels
     (gpu_check.cuda_layout; test_cuda_efficient_attention_returns_a_transposed_view pins it to the meta kernel)."""
