@@ -254,8 +254,8 @@ def compiled(fn, backend, device):
     """fn as the static path runs it: torch.compile'd with `backend` (None: fn itself, eager); "inductor" on CUDA
     with mode="reduce-overhead" (CUDA graphs). Every output is cloned as the call returns: it lives in the graph's
     static buffers, which the next compiled call overwrites (with CUDA graph trees, frees) before it runs.
-    Shapes are fixed except the key length `end`, which comes in buckets of 128: dynamo makes it symbolic
-    after its second value (one recompile) and CUDA graph trees record one graph per bucket."""
+    Shapes are fixed except the key length `end`, one of key_buckets(): dynamo makes it symbolic after its second
+    value (one recompile) and CUDA graph trees record one graph per bucket."""
     if backend is None:
         return fn
     if (fn, backend) not in _COMPILED:
@@ -265,6 +265,24 @@ def compiled(fn, backend, device):
             c = torch.compile(fn, backend=backend, options={"cpp.simdlen": 1} if backend == "inductor" else None)
         _COMPILED[fn, backend] = lambda *args: tuple(x.clone() for x in c(*args))
     return _COMPILED[fn, backend]
+
+
+# The static path's decode steps attend to `end` keys, one number for all rows: the smallest of key_buckets() that
+# holds the longest row. CUDA graph trees record a graph for every distinct integer input of a compiled graph (the
+# key length, once dynamo has made it symbolic), each a capture and its own memory, and Inductor warns past 8 a graph;
+# every key past a row's end is read and masked for nothing. KEY_BUCKETS lengths spaced geometrically from 256 to the
+# pool's slots bound the recordings whatever --max-context is; at --max-context 3600 (3,712 slots): 256, 384, 640,
+# 896, 1280, 1792, 2560, 3712, each at most 1.7x the one below (1.5x past 640), where 128-token buckets gave 29
+# graphs. Past 256 keys a decode step then reads at most that many times the keys it needs, beside the weights, which
+# it reads whole (Qwen2.5-0.5B: ~0.99 GB against 12 KiB of K/V per key per row, 0.2 GB at 16 rows x 1,024 keys).
+KEY_BUCKETS = 8
+
+
+def key_buckets(capacity):
+    """The key lengths of a static cache of `capacity` slots (a multiple of 128): KEY_BUCKETS multiples of 128,
+    geometric from 256 to capacity, the last capacity itself (fewer where they round to the same)."""
+    grow = (capacity / 256) ** (1 / (KEY_BUCKETS - 1))
+    return sorted({min(capacity, -(-round(256 * grow ** i) // 128) * 128) for i in range(KEY_BUCKETS)})
 
 
 def shared_prefixes(prompts):
@@ -399,7 +417,7 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
             if all(d or c is not None for (d, *_), c in zip(new, cut)):
                 break
         fed = (~done).long()                                                    # finished rows idle
-        end = hi + 1 if not cache.static else min(cache.k[0].shape[2], (hi // 128 + 1) * 128)  # buckets: few graphs
+        end = hi + 1 if not cache.static else next(b for b in key_buckets(cache.k[0].shape[2]) if b > hi)
         tok, lp = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end, keys + (t + 1), temp, nucleus, greedy)
         cache.lens += fed
         hi += 1
@@ -414,7 +432,7 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
 
 
 def static_capacity(need):
-    """Slots of a static cache: a multiple of 128, so every key-length bucket fits and none is the odd one."""
+    """Slots of a static cache: a multiple of 128, as its key lengths (key_buckets, the last of them the capacity)."""
     return (need // 128 + 1) * 128
 
 
