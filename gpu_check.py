@@ -437,10 +437,9 @@ def fake_cuda_trace(arch="llama", T=24):
                                  torch.tensor(0.9, device="cuda"))
             tok, lp = sampler.sample_next(logits, keys, temp, top_p)
             fed = torch.ones(B, dtype=torch.long, device="cuda")
-            tok, lp = sampler.decode_step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, 24, keys + 1, temp,
-                                          top_p, False)                                            # [B], [B]
-            greedy, _ = sampler.decode_step(model, cache.k, cache.v, cache.lens + 1, tok[:, None], fed, 24, keys + 2, temp,
-                                            None, True)                                            # [B]
+            tok, lp, lens = sampler.decode_step(model, cache.k, cache.v, cache.lens, tok, fed, 24, keys, temp, top_p,
+                                                False)                                             # [B], [B], [B]
+            greedy, _, _ = sampler.decode_step(model, cache.k, cache.v, lens, tok, fed, 24, keys, temp, None, True)  # [B]
             prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 12]]  # shared prefixes [5, 6] and [5, 6, 7, 8]
             fresh = sampler.KVCache(model, B, 40)
             shared = sampler.prefill_shared(model, fresh, prompts, sampler.shared_prefixes(prompts)[0], 6)
