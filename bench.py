@@ -9,6 +9,7 @@
   python bench.py --device cuda --model qwen2.5-0.5b-random --batch 128 --prompt-len 1024   # GPU: + bandwidth floor
   python bench.py --gpu-check                      # = python gpu_check.py: first thing on a GPU machine
   python bench.py --only prefill --repeats 5       # prefill shapes rounded up (sampler.PREFILL_MULTIPLE) vs exact lengths
+  python bench.py --only host --model qwen2.5-0.5b-random --batch 16 --prompt-len 1024   # host us and ops per decode token
   python bench.py --plan --markdown > results/memory-plan.md   # the memory-plan page (the suite compares it)
 
 "qwen2.5-0.5b-random" is a random-weight model with the Qwen2.5-0.5B shape (speed only, no tokenizer).
@@ -286,6 +287,79 @@ def time_decode_floor(model, batch, prompt_len, new_tokens, device, bandwidth):
     return per_step, floor
 
 
+# ------------------------------------------------------------------------------------------------ host cost per decode step
+class CannedBackend:
+    """A torch.compile backend that runs nothing: each graph runs once for real (its first call, which gives its
+    outputs' shapes and dtypes) and every later call returns those same tensors. What a compiled decode call then
+    costs is the host's part alone: dynamo's guards, the call, and what the loop does between calls.
+    stamps: (time.perf_counter(), time.process_time()) at the start of every call."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, gm, example_inputs):
+        outs = []
+
+        def run(*args):
+            self.stamps.append((time.perf_counter(), time.process_time()))
+            if not outs:
+                outs.append(gm.forward(*args))
+            return outs[0]
+        return run
+
+
+def outside_ops(prof):
+    """{aten op: count} of a torch.profiler profile, counting each op the Python code called (not the ops it calls in
+    turn) and none run inside a compiled region."""
+    import collections
+    ops = collections.Counter()
+    for e in prof.events():
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith(("aten::", "Torch-Compiled Region")):
+            p = p.cpu_parent
+        if e.name.startswith("aten::") and p is None:
+            ops[e.name] += 1
+    return ops
+
+
+def time_host_per_step(model, tok, rows, context, new_tokens, repeats, every=8):
+    """The host's time per decode token of the GPU sampler (static pool, compiled decode step, "all done" checked every
+    `every` tokens, turns cut at </answer>) under CannedBackend, so that nothing runs inside a compiled call: from the
+    first decode call to the end of the turn, over the turn's decode tokens. And the aten ops per token the decode
+    loop runs outside compiled calls (torch.profiler): the difference between turns of 2 x new_tokens and new_tokens
+    tokens over new_tokens, so the per-turn ops cancel. Every row holds `context` tokens (of any value: only the key
+    length matters here) and appends one before sampling. Returns ([(wall, CPU) seconds per token of each turn], ops per token,
+    {op: per token})."""
+    canned = CannedBackend()
+    how = sampler.Sampler(static=True, compile=canned, check_every=every)
+    stop_at = rollout.answer_end(tok, rollout.FORCED[False], False)
+    stop_ids = {tok.eos_token_id, tok.pad_token_id} - {None}
+    cache = sampler.KVCache(model, rows, sampler.static_capacity(context + 2 * new_tokens + 1), static=True)
+    keys = sampler.row_keys(range(rows))
+
+    def turn(n):  # (wall, CPU) seconds from the first decode call to the turn's end
+        cache.lens.fill_(context)
+        canned.stamps.clear()
+        sampler.sample_turn(model, cache, [[5]] * rows, n, stop_ids, keys, sampler=how, stop_at=stop_at)
+        return time.perf_counter() - canned.stamps[1][0], time.process_time() - canned.stamps[1][1]  # [0]: sample_next
+    for n in (new_tokens, 2 * new_tokens):  # compiles (the key length crosses a bucket) and runs each graph once
+        turn(n)
+    per_token = [[t / (new_tokens - 1) for t in turn(new_tokens)] for _ in range(repeats)]  # [repeats] x (wall, CPU)
+    counts = []
+    for n in (new_tokens, 2 * new_tokens):
+        with torch.profiler.profile() as prof:
+            turn(n)
+        counts.append(outside_ops(prof))
+    ops = {k: (counts[1][k] - counts[0][k]) / new_tokens for k in counts[1] if counts[1][k] != counts[0][k]}
+    us = lambda i: (f"min {min(t[i] for t in per_token) * 1e6:.0f}, median "
+                    f"{sorted(t[i] for t in per_token)[len(per_token) // 2] * 1e6:.0f}")
+    print(f"host         {rows} rows, context {context}, {new_tokens} tokens a turn, check every {every}, cut at </answer>: "
+          f"us per decode token over {repeats} turns: CPU time {us(1)}; wall {us(0)}; {sum(ops.values()):.2f} aten ops "
+          f"per token outside compiled calls: "
+          + ", ".join(f"{k[6:]} {v:.2f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
+    return per_token, sum(ops.values()), ops
+
+
 def time_envs(n_seeds):
     """Median reset and step time per preset over n_seeds seeds (one random valid action per seed)."""
     import random
@@ -420,13 +494,12 @@ prints them with the model's config written into a local directory
 
 
 # ------------------------------------------------------------------------------------------------ paper-shape dry run
-def save_qwen25_shape(path, layers=24):
-    """A random model with Qwen2.5-0.5B-Instruct's exact shape (layers may be cut) and a byte-level Qwen2Tokenizer
-    whose vocabulary is padded to 151,936 entries with 2- and 3-byte strings (encode never makes them, decode
-    reads them as bytes), saved as a hub-like directory: train.py loads it like a real snapshot."""
+def qwen25_tokenizer():
+    """A byte-level Qwen2Tokenizer with the ChatML template whose vocabulary is padded to Qwen2.5's 151,936 entries
+    with 2- and 3-byte strings (encode never makes them, decode reads them as bytes)."""
     import itertools
     from tokenizers import pre_tokenizers
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+    from transformers import Qwen2Tokenizer
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
     for n in (2, 3):
@@ -437,6 +510,14 @@ def save_qwen25_shape(path, layers=24):
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tok.chat_template = models.CHATML
+    return tok
+
+
+def save_qwen25_shape(path, layers=24):
+    """A random model with Qwen2.5-0.5B-Instruct's exact shape (layers may be cut) and qwen25_tokenizer(), saved as a
+    hub-like directory: train.py loads it like a real snapshot."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = qwen25_tokenizer()
     cfg = Qwen2Config(**dict(QWEN25_05B, num_hidden_layers=layers), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     assert len(tok) == cfg.vocab_size, len(tok)
     with torch.random.fork_rng():
@@ -535,9 +616,10 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | a directory | hub id | qwen2.5-0.5b-random")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--only", default="all", choices=["all", "sampler", "kv", "cut", "window", "decode", "envs", "logprobs", "step",
-                                                          "prefill"],
+                                                          "prefill", "host"],
                         help="which measurement (window: the KV-row rebuilds of a context window; prefill: bucketed "
-                        "prefill shapes against exact lengths; neither in all)")
+                        "prefill shapes against exact lengths; host: the host's time and ops per decode token of the "
+                        "compiled sampler, nothing run on the device; none of the three in all)")
     parser.add_argument("--plan", action="store_true", help="print the memory plan of the paper's config on 24 GB, 1 and 8 H100s")
     parser.add_argument("--markdown", action="store_true", help="with --plan: the page results/memory-plan.md (the paper's "
                         "config by part, the README's GPU commands); the suite compares it with the committed one")
@@ -616,6 +698,8 @@ if __name__ == "__main__":
         time_windows(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, rounds=args.repeats)
     if tok is not None and args.only == "logprobs":
         time_logprobs(model, tok, args.batch, args.group_size, args.turns, args.turn_tokens, rounds=args.repeats)
+    if args.only == "host":  # the random-weight model gets the byte-level tokenizer of its vocabulary size
+        time_host_per_step(model, tok or qwen25_tokenizer(), args.batch, args.prompt_len, args.new_tokens, args.repeats)
     if args.only == "decode" or (args.only == "all" and args.device.startswith("cuda")):
         time_decode_floor(model, args.batch, args.prompt_len, args.new_tokens, args.device, args.bandwidth)
     if tok is None and args.only in ("all", "sampler"):  # the random-weight model: HF generate on random prompts

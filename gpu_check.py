@@ -303,16 +303,22 @@ class GraphReplayBackend:
     dealloc_current_path_weakrefs): a caller that keeps a compiled output, or feeds it into the next compiled
     call, reads garbage. Here every output of compiled call k is overwritten with garbage (NaN; random ints) as
     soon as call k+1 starts, so such a caller samples different tokens on the CPU too. Outputs that are a
-    graph's own inputs (mutated in place) are real tensors, not graph memory, and are left alone."""
+    graph's own inputs (mutated in place) are real tensors, not graph memory, and are left alone.
+    A graph with a symbolic integer input (dynamo's automatic dynamic, e.g. the decode step's key length) gets one
+    CUDA graph recorded per distinct set of its integer inputs (cudagraph_trees.py, cudagraphify's fn_cache keyed by
+    the int inputs; Inductor warns past cudagraph_dynamic_shape_warn_limit, 8): recorded[g] holds graph g's sets."""
 
     def __init__(self):
-        self.graphs, self.calls, self.live = 0, 0, []
+        self.graphs, self.calls, self.live, self.recorded = 0, 0, [], []
         self.noise = torch.Generator().manual_seed(0)
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
+        keys = set()  # this graph's integer-input sets: one recording each
+        self.recorded.append(keys)
 
         def run(*args):
+            keys.add(tuple(a for a in args if isinstance(a, int)))
             for t in self.live:  # the previous call's outputs: its static buffers are reused now
                 if t.is_floating_point():
                     t.fill_(float("nan"))
@@ -498,10 +504,9 @@ def fake_cuda_trace(arch="llama", T=24):
                                  torch.tensor(0.9, device="cuda"))
             tok, lp = sampler.sample_next(logits, keys, temp, top_p)
             fed = torch.ones(B, dtype=torch.long, device="cuda")
-            tok, lp = sampler.decode_step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, 24, keys + 1, temp,
-                                          top_p, False)                                            # [B], [B]
-            greedy, _ = sampler.decode_step(model, cache.k, cache.v, cache.lens + 1, tok[:, None], fed, 24, keys + 2, temp,
-                                            None, True)                                            # [B]
+            tok, lp, lens = sampler.decode_step(model, cache.k, cache.v, cache.lens, tok, fed, 24, keys, temp, top_p,
+                                                False)                                             # [B], [B], [B]
+            greedy, _, _ = sampler.decode_step(model, cache.k, cache.v, lens, tok, fed, 24, keys, temp, None, True)  # [B]
             prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 12]]  # shared prefixes [5, 6] and [5, 6, 7, 8]
             fresh = sampler.KVCache(model, B, 40)
             shared = sampler.prefill_shared(model, fresh, prompts, sampler.shared_prefixes(prompts)[0], 6)

@@ -7,6 +7,7 @@ token. It calls the submodules of an HF Llama/Qwen2/Qwen3 model directly, so it 
 model (models.py loads and checks it against the HF forward). On CUDA the decode step is compiled with CUDA graphs
 (static shapes); on the CPU everything runs eager. rollout.py drives it turn by turn; generate() is one turn.
 """
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -41,7 +42,8 @@ class Sampler(NamedTuple):
     """How the sampler runs. static: fixed batch, capacity and key-length buckets (what CUDA graphs need);
     compile: a torch.compile backend for the static path's sampler and decode step, None = eager ("inductor"
     on CUDA means mode="reduce-overhead": CUDA graphs; gpu_check.py's emulations are backends too);
-    check_every: decode tokens between host checks of "all rows done" (each check is a device sync)."""
+    check_every: decode tokens between the host's reads of the new tokens (each a device sync; a row's turn ends
+    only there)."""
     static: bool = False
     compile: object = None
     check_every: int = 1
@@ -244,18 +246,23 @@ def sample_next(logits, keys, temperature=1.0, top_p=None, greedy=False):
     return tok, torch.where(torch.arange(logp.shape[1], device=tok.device) == tok[:, None], logp, 0.0).sum(-1)
 
 
-def decode_step(model, k_cache, v_cache, lens, ids, n, end, keys, temperature, top_p, greedy):
+def decode_step(model, k_cache, v_cache, lens, tok, fed, end, keys, temperature, top_p, greedy):
     """One decode token for every row: forward_cached + sample_next, the unit compiled on the GPU (gpt-fast's
-    decode_one_token), so the [B, V] logits are produced and consumed inside one graph."""
-    return sample_next(forward_cached(model, k_cache, v_cache, lens, ids, n, end), keys, temperature, top_p, greedy)
+    decode_one_token), so the [B, V] logits are produced and consumed inside one graph, and with it the loop's
+    per-token bookkeeping, so that the host does nothing else per token. Row b appends tok[b] [B] if fed[b] [B]
+    (1, or 0: the row idles), samples with key keys[b] + lens[b] (sample_turn offsets its keys so that this counts
+    the row's tokens) and then holds lens[b] + fed[b] tokens. Returns (tokens [B], logp [B], lens + fed [B])."""
+    logits = forward_cached(model, k_cache, v_cache, lens, tok[:, None], fed, end)                  # [B, V]
+    tok, logp = sample_next(logits, keys + lens, temperature, top_p, greedy)
+    return tok, logp, lens + fed
 
 
 def compiled(fn, backend, device):
     """fn as the static path runs it: torch.compile'd with `backend` (None: fn itself, eager); "inductor" on CUDA
     with mode="reduce-overhead" (CUDA graphs). Every output is cloned as the call returns: it lives in the graph's
     static buffers, which the next compiled call overwrites (with CUDA graph trees, frees) before it runs.
-    Shapes are fixed except the key length `end`, which comes in buckets of 128: dynamo makes it symbolic
-    after its second value (one recompile) and CUDA graph trees record one graph per bucket."""
+    Shapes are fixed except the key length `end`, one of key_buckets(): dynamo makes it symbolic after its second
+    value (one recompile) and CUDA graph trees record one graph per bucket."""
     if backend is None:
         return fn
     if (fn, backend) not in _COMPILED:
@@ -265,6 +272,24 @@ def compiled(fn, backend, device):
             c = torch.compile(fn, backend=backend, options={"cpp.simdlen": 1} if backend == "inductor" else None)
         _COMPILED[fn, backend] = lambda *args: tuple(x.clone() for x in c(*args))
     return _COMPILED[fn, backend]
+
+
+# The static path's decode steps attend to `end` keys, one number for all rows: the smallest of key_buckets() that
+# holds the longest row. CUDA graph trees record a graph for every distinct integer input of a compiled graph (the
+# key length, once dynamo has made it symbolic), each a capture and its own memory, and Inductor warns past 8 a graph;
+# every key past a row's end is read and masked for nothing. KEY_BUCKETS lengths spaced geometrically from 256 to the
+# pool's slots bound the recordings whatever --max-context is; at --max-context 3600 (3,712 slots): 256, 384, 640,
+# 896, 1280, 1792, 2560, 3712, each at most 1.7x the one below (1.5x past 640), where 128-token buckets gave 29
+# graphs. Past 256 keys a decode step then reads at most that many times the keys it needs, beside the weights, which
+# it reads whole (Qwen2.5-0.5B: ~0.99 GB against 12 KiB of K/V per key per row, 0.2 GB at 16 rows x 1,024 keys).
+KEY_BUCKETS = 8
+
+
+def key_buckets(capacity):
+    """The key lengths of a static cache of `capacity` slots (a multiple of 128): KEY_BUCKETS multiples of 128,
+    geometric from 256 to capacity, the last capacity itself (fewer where they round to the same)."""
+    grow = (capacity / 256) ** (1 / (KEY_BUCKETS - 1))
+    return sorted({min(capacity, -(-round(256 * grow ** i) // 128) * 128) for i in range(KEY_BUCKETS)})
 
 
 def shared_prefixes(prompts):
@@ -349,10 +374,12 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
     sampler: how to run (Sampler); its static must match the cache's. share: prefill the prefixes that fresh
     rows share once (shared_prefixes); False computes every row's prompt (the reference the tests compare to).
     stop_at(tokens, start) -> n or None (e.g. answer_end): a row also stops once its first n tokens are a complete
-    turn and keeps only those; start: tokens already known to complete none (each is tested once). It is checked
-    with "all rows done" (every sampler.check_every tokens), so a row may sample a few tokens past n: they are
-    dropped and its cache row rolls back to the cut. The kept tokens and
-    log-probs are those the row draws without stop_at (a prefix of them: same keys, same logits)."""
+    turn and keeps only those; start: tokens already known to complete none (each is tested once).
+    The host reads the sampled tokens every sampler.check_every tokens (its only wait for the device), and only there
+    does a row's turn end, at a stop token or at stop_at's cut: until the check every row of the turn samples on, and
+    what it samples past its end is dropped, its cache row rolled back to the end (the slots past it are overwritten
+    before any query can see them). The kept tokens and log-probs are those the row draws alone (same keys, same
+    logits), a prefix of them with stop_at."""
     dev, A, R = cache.lens.device, len(new_ids), len(cache.lens)
     new_ids = list(new_ids) + [[]] * (R - A)                                    # static pool: extra rows idle
     n = torch.tensor([len(x) for x in new_ids], device=dev)                     # [R]
@@ -368,53 +395,70 @@ def sample_turn(model, cache, new_ids, max_new_tokens, stop_ids, keys, temperatu
         ids = torch.tensor([list(x) + [0] * (T - len(x)) for x in new_ids], device=dev)  # [R, T] right-padded
         logits = forward_cached(model, cache.k, cache.v, cache.lens, ids, n, end)  # [R, V]
     cache.lens += n
-    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
-    out = torch.zeros(R, max_new_tokens, dtype=torch.long, device=dev)          # [R, N]
-    out_lp = torch.zeros(R, max_new_tokens, device=dev)                         # [R, N]
-    count = torch.zeros(R, dtype=torch.long, device=dev)                        # [R] tokens sampled so far
-    done = n == 0                                                               # [R]
+    start = cache.lens.clone()                                                  # [R] each row's length before its turn
+    fed = (n > 0).long()                # [R] the turn's rows append a token every step, idle rows none
+    offsets = keys - start + 1          # [R] a row holding start + t - 1 tokens samples its t-th: key + t
     backend = sampler.compile if cache.static else None  # only fixed shapes are compiled
     sample, step = compiled(sample_next, backend, dev), compiled(decode_step, backend, dev)
-    every = sampler.check_every
+    every, stops = sampler.check_every, set(stop_ids)
     temp = torch.tensor(float(temperature), device=dev)                        # [] device tensors, never a Python
     nucleus = None if top_p >= 1.0 else torch.tensor(float(top_p), device=dev)  # float: see "CUDA graphs" above
-    seen, cut = [[] for _ in range(A)], [None] * A  # stop_at: each row's tokens up to the last check, its cut if found
-    tok, lp = sample(logits, keys, temp, nucleus, greedy)
-    for t in range(max_new_tokens):
-        out[:, t], out_lp[:, t] = tok, lp
-        count += (~done).long()
-        done = done | torch.isin(tok, stop) | (count == max_new_tokens)
-        if t == max_new_tokens - 1:
-            break
-        if t % every == every - 1 and stop_at is None:  # the only host sync
-            if bool(done.all()):
+    toks, lps = [], []                              # per token [R] each: the turn's draws, on the device until the end
+    seen = [[] for _ in range(A)]                   # each open row's tokens up to the last check
+    kept = [None if x else 0 for x in new_ids[:A]]  # each row's tokens once its turn has ended
+    checked = 0                                     # tokens the host has read
+
+    def check():  # the host reads the tokens since the last check (a device sync): do open rows' turns end there?
+        nonlocal checked
+        rows = torch.stack(toks[checked:], 1)[:A].tolist()                       # [A, tokens since the last check]
+        checked = len(toks)
+        for b, new in enumerate(rows):
+            if kept[b] is None:
+                stop = next((i + 1 for i, x in enumerate(new) if x in stops), None)  # up to its first stop token
+                seen[b] += new[:stop]
+                cut = stop_at(seen[b], len(seen[b]) - len(new[:stop])) if stop_at is not None else None
+                kept[b] = cut if cut is not None else len(seen[b]) if stop is not None else None
+        return all(k is not None for k in kept)
+    buckets = key_buckets(cache.k[0].shape[2]) if cache.static else None
+    end = 0
+    # What a compiled decode call costs the host is dynamo's, mostly for the model (bench.py --only host): its ~290
+    # parameters (Qwen2.5-0.5B) gathered as graph inputs by Python bytecode on every call, and the guards on them and
+    # their modules. Two settings cut it. Compiled here, a graph holds the model's parameters and buffers as its own
+    # attributes (dynamo's install_free_tensors): the same tensor objects, so train.py's in-place weight refresh
+    # reaches it, and new ones fail a guard. And a call skips the guards when the call before it in this turn ran them
+    # at the same key length: every input is then the same object (model, K/V pool, temperature, top-p, greedy,
+    # offsets, fed, key length) or a clone of that call's output (tokens, lens: same shape, dtype and device), so no
+    # guard can come out otherwise. Under that stance dynamo still checks tensors (and refuses one that changed) but
+    # not Python values: it would run a stale graph for a new key length, top-p mode or greedy flag, which is why a
+    # turn's first call and each new key length run the guards (and recompile where they fail).
+    free_tensors = torch._dynamo.config.patch(install_free_tensors=True) if backend else contextlib.nullcontext()
+    with free_tensors, contextlib.ExitStack() as unguarded:
+        tok, lp = sample(logits, keys, temp, nucleus, greedy)
+        toks.append(tok)
+        lps.append(lp)
+        for t in range(1, max_new_tokens):  # t: the token this step samples (token 0 came from the prefill's logits)
+            if t % every == 0 and check():
                 break
-        elif t % every == every - 1:  # the only host sync: one copy of the done flags and each row's newest tokens
-            new = torch.cat([done[:A, None].long(), out[:A, t + 1 - every:t + 1]], 1).tolist()  # [A, 1 + every]
-            for b, (d, *ids) in enumerate(new):  # a live row: does a cut among its newest tokens end its turn?
-                if not d:
-                    seen[b] += ids
-                    cut[b] = stop_at(seen[b], len(seen[b]) - every)
-            done[[b for b in range(A) if cut[b] is not None]] = True  # rows past A are idle: done from the start
-            if all(d or c is not None for (d, *_), c in zip(new, cut)):
-                break
-        fed = (~done).long()                                                    # finished rows idle
-        end = hi + 1 if not cache.static else min(cache.k[0].shape[2], (hi // 128 + 1) * 128)  # buckets: few graphs
-        tok, lp = step(model, cache.k, cache.v, cache.lens, tok[:, None], fed, end, keys + (t + 1), temp, nucleus, greedy)
-        cache.lens += fed
-        hi += 1
-    count, out, out_lp = count.tolist(), out.tolist(), out_lp.tolist()
-    if stop_at is not None:  # keep each row up to its turn's end; its cache row holds the kept tokens but the last
-        for b in range(A):  # the cut found at a check, else one among the tokens after the row's last check
-            n = cut[b] if cut[b] is not None else stop_at(out[b][:count[b]], len(seen[b]))
-            if n is not None and n < count[b]:
-                cache.lens[b] -= count[b] - n
-                count[b] = n
-    return [out[b][:count[b]] for b in range(A)], [out_lp[b][:count[b]] for b in range(A)]
+            new_key_length = hi >= end
+            if new_key_length:
+                unguarded.close()
+                end = hi + 1 if buckets is None else next(b for b in buckets if b > hi)
+            tok, lp, cache.lens = step(model, cache.k, cache.v, cache.lens, tok, fed, end, offsets, temp, nucleus, greedy)
+            if new_key_length and backend is not None:
+                unguarded.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
+            toks.append(tok)
+            lps.append(lp)
+            hi += 1
+    if checked < len(toks):
+        check()
+    kept = [len(seen[b]) if k is None else k for b, k in enumerate(kept)]     # the budget ended the rest
+    cache.lens = start + torch.tensor([max(k - 1, 0) for k in kept] + [0] * (R - A), device=dev)  # [R] its last
+    out, out_lp = torch.stack(toks, 1)[:A].tolist(), torch.stack(lps, 1)[:A].tolist()  # [A, N]; token not cached
+    return [out[b][:kept[b]] for b in range(A)], [out_lp[b][:kept[b]] for b in range(A)]
 
 
 def static_capacity(need):
-    """Slots of a static cache: a multiple of 128, so every key-length bucket fits and none is the odd one."""
+    """Slots of a static cache: a multiple of 128, as its key lengths (key_buckets, the last of them the capacity)."""
     return (need // 128 + 1) * 128
 
 

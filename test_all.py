@@ -2857,6 +2857,30 @@ def test_compiled_static_rollout_samples_the_eager_tokens_and_writes_the_cache_i
     assert torch.equal(again["tokens"], eager["tokens"])
 
 
+def test_compiled_sampler_follows_in_place_weight_updates(monkeypatch, tiny):
+    # the compiled graphs hold the model's parameters as attributes (install_free_tensors), the same tensor objects:
+    # train.py refreshes the rollout copy in place after every update, and the next turn samples from the new weights
+    # (inductor, as on the GPU), with no new graph
+    import copy
+    from torch._dynamo.utils import counters
+    model = copy.deepcopy(tiny[0])
+    torch._dynamo.reset()
+    monkeypatch.setattr(sampler, "_POOL", {})
+    monkeypatch.setattr(sampler, "_COMPILED", {})
+    how = sampler.Sampler(static=True, compile="inductor", check_every=4)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    run = lambda s: sampler.generate(model, prompts, 12, temperature=0.7, seed=1, sampler=s)
+    before = run(how)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        noise = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=noise))
+    after, eager = run(how), run(None)
+    assert after[0] == eager[0] != before[0] and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(after[1], eager[1]))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def bench_model_qwen_shape(layers):
     import bench
     return bench.qwen25_05b_random("cpu", torch.float32, layers=layers)
@@ -2921,6 +2945,31 @@ def test_compiled_sampler_gets_no_python_float_and_no_graph_beyond_the_key_bucke
     assert [g["cpu_scalars"] for g in rec.graphs if g["cpu_scalars"]] == []
     sample = [g for g in rec.graphs if any("logits" in n for n in g["inputs"])]
     assert len(sample) == 1 and len(rec.graphs) - len(sample) <= 2, [g["inputs"] for g in rec.graphs]
+
+
+def test_compiled_decode_records_a_bounded_number_of_cuda_graphs_as_conversations_grow(monkeypatch, tiny):
+    # CUDA graph trees record one graph per distinct set of integer inputs of a compiled graph (the decode step's key
+    # length, once dynamo has made it symbolic) and Inductor warns past 8 a graph. A rollout at --max-context 3600
+    # whose conversations grow through most key lengths: at most 8 recordings per graph and 9 for the decode step
+    # (its first graph, compiled at a fixed key length, records once), counted by the replay emulation; the tokens
+    # are the eager path's
+    import gpu_check
+    model, tok = tiny
+    monkeypatch.setattr(rollout, "parse_response", lambda text, think, k: ("", ["Right"], True))
+    long_game = dict(CORRIDOR, max_actions_per_traj=100)
+    outs, replay = [], gpu_check.GraphReplayBackend()
+    for how in (None, sampler.Sampler(static=True, compile=replay, check_every=8)):
+        torch._dynamo.reset()
+        monkeypatch.setattr(sampler, "_POOL", {})
+        monkeypatch.setattr(sampler, "_COMPILED", {})
+        envs = [LongThenDoneEnv(10, ends=False) for _ in range(2)]  # a turn adds ~250 tokens (prompt, 10-token state)
+        settings = loop_settings(long_game, max_turns=20, max_new_tokens=6, max_context=3600, think=False, sample_seed=1)
+        outs.append(rollout.rollout(model, tok, envs, [0, 1], settings, group_size=1, sampler=how))
+    eager, fast = outs
+    assert torch.equal(fast["tokens"], eager["tokens"]) and torch.allclose(fast["old_logp"], eager["old_logp"], atol=1e-5)
+    assert fast["attention_mask"].sum(1).min() > 3300  # every conversation grew to near --max-context
+    decode = [keys for keys in replay.recorded if any(keys)]  # graphs with an integer input: the decode step's
+    assert all(len(keys) <= 8 for keys in replay.recorded) and sum(len(keys) for keys in decode) <= 9, replay.recorded
 
 
 def cuda_layout_sdpa(real):
@@ -3031,6 +3080,40 @@ def test_decode_loop_syncs_the_host_once_per_check(tiny):
         x = torch.arange(6)
         bool(x.any()), x.tolist(), x[x > 2], x.nonzero(), torch.isin(x, torch.tensor([1, 2])), torch.isin(x, torch.arange(30))
     assert h.count == 5
+
+
+def test_decode_loop_runs_a_few_ops_per_token_outside_the_compiled_step(tiny):
+    # on CUDA every op the decode loop runs outside its compiled step is a kernel launch and host time per token
+    # (bench.py --only host): with the bookkeeping inside the step, the loop clones the step's three outputs (tokens,
+    # log-probs, lengths) and reads the tokens once per check (4 ops per 8 tokens); a launch more per token fails here
+    import bench
+    model, tok = tiny
+    _, per_token, ops = bench.time_host_per_step(model, tok, rows=4, context=100, new_tokens=16, repeats=1)
+    assert per_token <= 3.5, ops
+
+
+def test_decode_calls_skip_guards_only_where_they_cannot_change(monkeypatch, tiny):
+    # a compiled decode call skips dynamo's guards only when the call before it in its turn ran them at the same key
+    # length; under that stance dynamo would run a stale graph for a changed Python input (a key length, top-p mode,
+    # greedy flag), so each turn's first call and each new key length run them: a turn that crosses a key length, then
+    # top-p and greedy turns, compile new graphs (RecordingBackend) and sample the eager tokens; most calls skip them
+    import gpu_check
+    model, _ = tiny
+    torch._dynamo.reset()
+    monkeypatch.setattr(sampler, "_POOL", {})
+    monkeypatch.setattr(sampler, "_COMPILED", {})
+    skipped, set_stance = [], torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: skipped.append(k) or set_stance(*a, **k))
+    rec = gpu_check.RecordingBackend(gpu_check.GraphReplayBackend())
+    how = sampler.Sampler(static=True, compile=rec, check_every=8)
+    prompts = [list(range(5, 5 + n)) for n in (200, 3, 120)]  # 281 slots: key lengths 256, then 384
+    graphs = []
+    for kw in (dict(), dict(top_p=0.9), dict(greedy=True), dict()):
+        (a, la), (b, lb) = [sampler.generate(model, prompts, 80, temperature=0.8, seed=3, sampler=s, **kw) for s in (how, None)]
+        assert a == b and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(la, lb)), kw
+        graphs.append(len(rec.graphs))
+    assert graphs[0] >= 3 and graphs[0] < graphs[1] < graphs[2] == graphs[3], graphs  # the repeat compiles nothing
+    assert len(skipped) >= 4 and all(k == dict(skip_guard_eval_unsafe=True) for k in skipped), skipped
 
 
 @pytest.mark.slow
