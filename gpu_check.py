@@ -170,7 +170,7 @@ def check_noise_bits(ctx):
 
 
 def check_host_syncs(ctx):
-    """8: host syncs in the decode loop: the "all rows done" check every check_every tokens, nothing else."""
+    """8: host syncs in the decode loop: one read every check_every tokens (stop tokens, rows done), nothing else."""
     per_token = decode_syncs_per_token(ctx["model"], ctx["device"])
     return ("host syncs / token", per_token <= 1 / 8, f"{per_token:.3f} per decode token at check_every 8 (want 1/8; "
             f"{'CUDA sync debug mode' if ctx['cuda'] else 'HostSyncs: the calls that sync on CUDA'})")
