@@ -3761,6 +3761,11 @@ def test_demo_presets_chain_sft_into_train_and_flags_override_them(tmp_path, cap
     assert (meta["model"], meta["episodes"]) == ("tiny", 8)  # given flags win
     import train
     assert sft.DEMO.endswith(" --out runs/demo-sft") and train.DEMO.startswith("--model runs/demo-sft ")  # one chain
+    # the settings the demo's robustness was measured with (every seed of results/studies/demo-cue-robust.md)
+    assert sft.DEMO == ("--model smollm2 --env CueAM --policy random --no-think --max-new-tokens 8 --episodes 64 "
+                        "--batch-size 8 --heldout 0 --out runs/demo-sft")
+    assert " --lr 3e-5 " in train.DEMO and " --steps 8 --val-every 8 --val-groups 128 " in train.DEMO
+    assert " --num-groups 8 --group-size 8 --filter-ratio 0.5 --mini-batch-size 32 " in train.DEMO
     out = str(tmp_path / "demo")
     r = run_train("--lr", "1e-3", "--demo", "--model", warm, "--max-new-tokens", "12", "--max-context", "512", "--steps", "2",
                   "--val-every", "2", "--val-groups", "4", "--out", out)  # the byte-level tokenizer: longer prompts
