@@ -38,7 +38,7 @@ import starpo
 # N-Z, letters neither the warm-up nor RL ever answers. The warm-up plays at random, so success is the task's own. lr
 # 3e-5 and 8 steps were chosen on training success: at lr 1e-5 it stays under 0.35 for 6 steps and first reaches 0.9
 # at steps 9-11 (a seed or a CPU's bf16 rounding that starts late ends short of it at step 12); at 3e-5 every seed
-# tried reaches 0.9 at step 4 or 5, so 8 steps leave 3 to spare (results/studies/demo-cue-robust.md)
+# tried reaches 0.9 at step 4 or 5, and 8 steps (0-7) leave two more after that (results/studies/demo-cue-robust.md)
 DEMO = ("--model runs/demo-sft --env CueAM --val-env CueAM CueNZ --no-think --algo grpo --num-groups 8 --group-size 8 "
         "--filter-ratio 0.5 --mini-batch-size 32 --micro-batch-size 16 --max-new-tokens 8 --lr 3e-5 "
         "--max-context 256 --steps 8 --val-every 8 --val-groups 128 --collapse-every 0 --log-trajectories-every 4")
