@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -155,10 +156,13 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
     name = f"state-{step + 1:06d}"
     j = lambda name: os.path.join(args.out, name)
     try:  # every rank writes its shards; a failure on any rank raises on every rank
-        dcp.save(shards, checkpoint_id=j(name + ".tmp"), no_dist=not dist.is_initialized())
-    except Exception as e:  # torch's CheckpointException (a full disk on some rank), or the OSError itself
+        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process", it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(shards, checkpoint_id=j(name + ".tmp"), no_dist=not dist.is_initialized())
+    except (Exception, dcp.api.CheckpointException) as e:  # (the latter is a BaseException) a full disk on some rank
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, dcp.api.CheckpointException) else e
         raise OSError(f"checkpoint of step {step} failed writing {name}.tmp, {args.out} still holds the previous one: "
-                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                      f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
     if rank != 0:
         return
     state = dict(step=step, args={k: v for k, v in vars(args).items()}, state=name, torch_rng=torch.get_rng_state(),
@@ -219,7 +223,9 @@ def load_checkpoint(args, ckpt, actor, opt, critic, critic_opt):
         shards = {"actor": training_state(actor, opt, lora, with_optimizer="actor.optim" in saved)}
         if critic is not None:
             shards["critic"] = training_state(critic, critic_opt, lora, with_optimizer="critic.optim" in saved)
-        dcp.load(shards, checkpoint_id=path, no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # one process: "assuming the intent is to load in a single process", it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(shards, checkpoint_id=path, no_dist=not dist.is_initialized())
         set_training_state(actor, opt, shards["actor"], lora)
         if critic is not None:
             set_training_state(critic, critic_opt, shards["critic"], lora)
@@ -242,7 +248,6 @@ def read_state(run_dir):
     """A run directory's checkpoint, whole, in this process (for inspection and tests): ckpt.pt's entries (step, args,
     torch_rng, monitor) with actor, actor_opt, critic, critic_opt as full state dicts (None where absent: no critic,
     or an optimizer that never stepped). Reads either checkpoint format."""
-    import warnings
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     ckpt = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
     if "state" not in ckpt:

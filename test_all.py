@@ -4022,24 +4022,37 @@ def test_a_new_env_is_one_file_and_one_registry_line(tmp_path, monkeypatch, caps
 
 def test_a_full_disk_during_torch_save_is_a_one_line_error_and_the_last_checkpoint_stays(tmp_path, monkeypatch, capsys):
     # torch.save's zip writer reports a write that fails (a full disk) as a RuntimeError, not an OSError; train.py and
-    # sft.py say so in one line, and the checkpoint written before stays whole
+    # sft.py say so in one line, and the checkpoint written before stays whole and resumes. train.py's step-1 checkpoint
+    # fails once in ckpt.pt.tmp (the commit) and once inside its sharded state directory (torch.distributed.checkpoint
+    # also writes through torch.save)
     import train
-    real, calls = torch.save, []
+    real, commits = torch.save, []
 
-    def full_at_second(obj, f, *a, **k):
-        calls.append(f)
-        if len(calls) == 2:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
-        return real(obj, f, *a, **k)
-    monkeypatch.setattr(torch, "save", full_at_second)
-    out = str(tmp_path / "run")
-    with pytest.raises(SystemExit) as e:
-        train.main(["--device", "cpu", "--model", "tiny", *TINY[4:], "--env", "bandit", "--algo", "grpo", "--steps", "2",
-                    "--save-every", "1", "--val-every", "0", "--collapse-every", "0", "--out", out])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert e.value.code == 2 and last.startswith("train.py: checkpoint of step 1 failed, ") and "unexpected pos" in last
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 0  # step 0's, whole
-    calls.clear()
+    def full(when):
+        def save(obj, f, *a, **k):
+            name = str(getattr(f, "name", f))
+            commits.append(name) if name.endswith("ckpt.pt.tmp") else None
+            if when(name):
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+            return real(obj, f, *a, **k)
+        return save
+    flags = ["--device", "cpu", "--model", "tiny", *TINY[4:], "--env", "bandit", "--algo", "grpo", "--steps", "2",
+             "--save-every", "1", "--val-every", "0", "--collapse-every", "0"]
+    for where, when in (("the commit", lambda name: name.endswith("ckpt.pt.tmp") and len(commits) == 2),
+                        ("the shards", lambda name: not name.endswith("ckpt.pt.tmp") and len(commits) == 1)):
+        commits.clear()
+        monkeypatch.setattr(torch, "save", full(when))
+        out = str(tmp_path / where.replace(" ", "-"))
+        with pytest.raises(SystemExit) as e:
+            train.main([*flags, "--out", out])
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert e.value.code == 2 and last.startswith("train.py: checkpoint of step 1 failed") and "unexpected pos" in last, (where, last)
+        assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 0, where  # step 0's, whole
+        monkeypatch.setattr(torch, "save", real)
+        train.main([*flags, "--resume", out])  # and it resumes
+        assert checkpoint.read_state(out)["step"] == 1
+    commits.clear()
+    monkeypatch.setattr(torch, "save", full(lambda name: name.endswith("ckpt.pt.tmp") and len(commits) == 2))
     code, _, err = sft_main(capsys, "--model", "tiny", "--env", "bandit", "--episodes", "8", "--batch-size", "4",
                             "--heldout", "0", "--save-every", "1", "--out", str(tmp_path / "sft"))
     assert code == 2 and err.strip().splitlines()[-1].startswith("sft.py: checkpoint of step 2 failed, "), err
@@ -4752,7 +4765,7 @@ def test_exported_hf_dir_loads_and_generates(tmp_path):
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
-    sd = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["actor"]
+    sd = checkpoint.read_state(out)["actor"]
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
 
 
