@@ -53,6 +53,26 @@ def turn_advantages(adv, mask):
     return out
 
 
+def update_direction(new_logp, old_logp, adv, mask, success):
+    """Did a step's updates move each token's log-prob the way its advantage asks? new_logp, old_logp (the policy
+    after and before the step's updates), adv, mask [B, T]; success [B] bool (the row's episode succeeded). Returns
+    the mean change of a token's log-prob over tokens with A > 0 and with A < 0, over successful and failed rows' tokens,
+    the mean change of a whole row's log-prob (its tokens' sum) over successful and over failed rows, and the fraction
+    of each kind's tokens given A > 0; a kind with no tokens is left out."""
+    on, d = mask > 0, (new_logp - old_logp).float() * mask                          # [B, T], [B, T]
+    out = {}
+    for name, where in (("pos_adv", on & (adv > 0)), ("neg_adv", on & (adv < 0))):
+        if where.any():
+            out[f"dlogp_{name}"] = d[where].mean().item()
+    for name, rows in (("success", success), ("failure", ~success)):
+        where = on & rows[:, None]                                                  # [B, T]
+        if where.any():
+            out[f"dlogp_{name}"] = d[where].mean().item()
+            out[f"{name}_seq_dlogp"] = d[rows].sum(1).mean().item()
+            out[f"{name}_pos_adv_fraction"] = (adv[where] > 0).float().mean().item()
+    return out
+
+
 def _masked_gae(rewards, values, mask, gamma, lam, reset=None):
     """Reverse GAE that visits only mask==1 tokens: the 'next' value of an action token is the value
     of the next action token of the same row (skipping observations), 0 after the last one. Where

@@ -1283,6 +1283,21 @@ def test_turn_advantages_by_hand():
     assert starpo.turn_advantages(adv, torch.zeros_like(mask)) == {}
 
 
+def test_update_direction_by_hand():
+    # row 0 succeeded (A > 0 on its tokens), row 1 failed (A < 0); mask 0 positions never count
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float)
+    adv = torch.tensor([[0.0, 1.0, 2.0, 0.0], [0.0, -1.0, -1.0, 0.5]])
+    old = torch.tensor([[9.0, -1.0, -2.0, 9.0], [9.0, -1.0, -1.0, -3.0]])
+    new = torch.tensor([[0.0, -0.5, -1.5, 0.0], [0.0, -1.5, -1.0, -2.0]])  # deltas: +0.5 +0.5 | -0.5 0 +1
+    m = starpo.update_direction(new, old, adv, mask, torch.tensor([True, False]))
+    assert close(m["dlogp_pos_adv"], (0.5 + 0.5 + 1.0) / 3) and close(m["dlogp_neg_adv"], -0.5 / 2)
+    assert close(m["dlogp_success"], 0.5) and close(m["dlogp_failure"], 0.5 / 3)
+    assert close(m["success_seq_dlogp"], 1.0) and close(m["failure_seq_dlogp"], 0.5)
+    assert m["success_pos_adv_fraction"] == 1.0 and close(m["failure_pos_adv_fraction"], 1 / 3)
+    none = starpo.update_direction(new, old, adv, mask, torch.tensor([False, False]))
+    assert "dlogp_success" not in none and "success_seq_dlogp" not in none and "dlogp_failure" in none
+
+
 def slow_normalize(scores, ids, method):
     out = list(scores)
     if method == "identity" or len(set(ids)) == len(ids):
@@ -3358,6 +3373,33 @@ def test_work_and_observations_are_logged_every_step(tmp_path):
         assert set(first) <= set(obs[0]["observations"]) and obs[0]["observations"] == sorted(set(obs[0]["observations"]))
 
 
+def test_update_check_logs_how_the_step_moved_its_tokens(tmp_path, monkeypatch):
+    """--check-update-every 1: every step logs check/* (starpo.update_direction, tested by hand above) from one more
+    forward that work/* leaves out. The tiny model warmed up to say a digit (Toy), so that groups differ in reward;
+    a large GRPO step moves tokens with A > 0 up and tokens with A < 0 down."""
+    import importlib
+    import train
+    (tmp_path / "env_toy.py").write_text(TOY_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(agent, "ENV_CLASSES", dict(agent.ENV_CLASSES))
+    monkeypatch.setattr(agent, "SHORT_NAMES", dict(agent.SHORT_NAMES))
+    toy = importlib.import_module("env_toy")
+    agent.register(toy.ToyEnv, toy, "toy", "Toy")
+    sft.main(["--device", "cpu", "--model", "tiny", "--env", "toy", "--policy", "random", "--no-think", "--episodes",
+              "64", "--epochs", "8", "--batch-size", "8", "--lr", "3e-3", "--heldout", "0", "--out", str(tmp_path / "sft")])
+    flags = [*TINY[:4], "--model", str(tmp_path / "sft"), *TINY[6:], "--env", "toy", "--algo", "grpo", "--no-think", "--max-turns", "1", "--max-new-tokens", "24", "--steps", "2", "--lr", "1e-3",
+             "--val-every", "0", "--collapse-every", "0", "--num-groups", "4", "--group-size", "4",
+             "--mini-batch-size", "16"]
+    train.main([*flags, "--check-update-every", "1", "--out", str(tmp_path / "a")])
+    train.main([*flags, "--out", str(tmp_path / "b")])
+    checked, plain = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
+    for m, p in zip(checked, plain):
+        assert m["work/compute_tokens_total"] == p["work/compute_tokens_total"] and "check/dlogp_pos_adv" not in p
+        print({k: round(v, 4) for k, v in m.items() if k.startswith(("check/", "train/Toy/success"))})
+        assert m["check/dlogp_pos_adv"] > 0 > m["check/dlogp_neg_adv"]
+        assert m["check/success_pos_adv_fraction"] > m["check/failure_pos_adv_fraction"]
+
+
 def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
     # logged losses are means over the mini-batch, not over micro-batch partial sums (4x less at 1 than at 4)
     flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
@@ -4011,7 +4053,7 @@ def test_a_new_env_is_one_file_and_one_registry_line(tmp_path, monkeypatch, caps
               "--out", str(tmp_path / "sft")])
     said = capsys.readouterr().out
     assert "Toy: 6 solver demonstrations" in said and "success 6/6" in said
-    train.main(["--device", "cpu", "--model", str(tmp_path / "sft"), *TINY[4:], "--env", "toy", "--algo", "grpo",
+    train.main([*TINY[:4], "--model", str(tmp_path / "sft"), *TINY[6:], "--env", "toy", "--algo", "grpo",
                 "--steps", "1", "--collapse-every", "0", "--out", str(tmp_path / "run")])
     ms = read_metrics(str(tmp_path / "run"))
     assert [m["step"] for m in ms] == [0, 1] and "train/Toy/success" in ms[0] and "val-env/Toy/success" in ms[1]

@@ -209,6 +209,9 @@ def add_run_flags(common, groups, ragen2):
                    "otherwise: upload later with wandb sync <out>/wandb/offline-run-*")
     g.add_argument("--pg-timeout-min", type=float, default=60, help="torchrun: minutes a rank waits in a collective "
                    "(rank 0 writing a 7B checkpoint keeps the others waiting for minutes; NCCL's default is 10)")
+    g.add_argument("--check-update-every", type=int, default=0, help="every N steps (0 = never), one more actor "
+                   "forward after the update logs check/*: how the step moved the log-probs of its tokens with A > 0 "
+                   "and A < 0 and of its successful and failed episodes (not counted in work/*)")
     ragen2.add_argument("--early-stop", action="store_true", help="RAGEN-2's stops: in-group reward std collapsed "
                         "(10 steps under 10%% of the first 10), or validation success under 1%% 5 times in a row")
 
@@ -739,6 +742,17 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
     return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr if actor_on else 0.0})
 
 
+def check_update(st, args, batch, old_logp, adv, success, say):
+    """check/*: starpo.update_direction of the step's kept rows, from the actor's log-probs after the update against
+    old_logp [K, T] (the policy the step started from); success [K]. A diagnostic, so its forward is not work."""
+    say("update check")
+    work = dict(st.work)
+    new_logp = forward_pass(st, args, st.actor, batch, "logp")                 # [K, T]
+    st.work.update(work)
+    moved = starpo.update_direction(new_logp, old_logp, adv, batch["mask"], success)
+    return {f"check/{k}": v for k, v in moved.items()}
+
+
 def work_metrics(st, out, monitor):
     """The step's work in tokens through a model, over all ranks: the rollout's (the tokens the sampler prefilled
     and sampled), and every trunk pass's (count_work: old and reference log-probs, values, the updates' forwards and
@@ -849,6 +863,9 @@ def train_loop(st, args, start_step, monitor):
                 m["rollout/sampler_logp_abs_diff"] = (
                     ((batch["old_logp"] - old_logp).abs() * batch["mask"]).sum().item()
                     / max(batch["mask"].sum().item(), 1))
+        if args.check_update_every and step % args.check_update_every == 0 and old_logp is not None:
+            with timed(timing, "check_update"):
+                m.update(check_update(st, args, batch, old_logp, adv, out["success"][batch["episode"]].bool(), say))
         with timed(timing, "sync"):
             m["perf/sync_gathered_mb"] = sync_rollout_weights(st, args) / 2**20
 
