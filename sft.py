@@ -57,7 +57,7 @@ CHUNK = 16  # episodes per rollout() call: rollout allocates a (never used) KV c
 VALIDATION = range(123, 123 + 256)  # eval.py's default seeds (RAGEN's seed.val, 256 of them): no demonstration uses them
 HELDOUT_SEARCH = 100  # held-out demonstrations: at most this many seeds looked at per one wanted
 RESUMABLE = {"resume", "device", "out", "steps", "epochs", "eval_every", "save_every", "micro_batch_size", "dtype",
-             "compute_dtype"}  # flags --resume may change
+             "compute_dtype", "compute_tokens"}  # flags --resume may change
 
 
 # ----------------------------------------------------------------------------- demonstration policies
@@ -210,7 +210,8 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
     """`steps` AdamW steps of --batch-size demonstrations (rows), each rank its share, on model (on its device, in
     train mode), from checkpoint `ckpt` (a dict, or None: from step 0). Every --eval-every steps, at step 0 and at
     the end: the loss on the held-out demonstrations, a line in <out_dir>/sft_metrics.jsonl; every --save-every steps
-    and at the end: <out_dir>/step<N>/ and ckpt.pt. Returns the last step's loss (the token mean over all ranks)."""
+    and at the end: <out_dir>/step<N>/ and ckpt.pt; --compute-tokens may end it early. Returns the last step's loss
+    (the token mean over all ranks) and the steps done."""
     device, pad = next(model.parameters()).device, tok.pad_token_id or 0
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     params = [q for q in model.parameters() if q.requires_grad]
@@ -257,7 +258,10 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
         write_metrics(metrics_path, lines)
     if ckpt is None:
         log(0)
+    done = start
     for step in range(start, steps):
+        if 0 < args.compute_tokens <= 3 * work:  # a resumed run that had reached it
+            break
         while len(order) < args.batch_size:  # epochs back to back, each a fresh permutation
             order += torch.randperm(len(rows), generator=gen).tolist()
         batch, order = order[:args.batch_size], order[args.batch_size:]
@@ -283,16 +287,24 @@ def train(model, tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, worl
         recent.append(loss)
         say(f"step {step + 1}/{steps}  loss {loss:.4f}  grad-norm {norm.item():.3f}  {time.perf_counter() - t0:.0f} s")
         done = step + 1
-        if (args.eval_every and done % args.eval_every == 0) or done == steps:
+        matched = 0 < args.compute_tokens <= 3 * work  # the work of the run this one controls is reached
+        if matched:
+            say(f"reached --compute-tokens {args.compute_tokens} at step {done} ({3 * work} compute tokens)")
+        elif args.compute_tokens and done == steps:
+            say(f"--compute-tokens {args.compute_tokens} not reached: {3 * work} compute tokens in {steps} steps "
+                "(more --episodes or --epochs)")
+        if (args.eval_every and done % args.eval_every == 0) or done == steps or matched:
             log(done)
-        if args.save_every and (done % args.save_every == 0 or done == steps) and rank == 0:
+        if args.save_every and (done % args.save_every == 0 or done == steps or matched) and rank == 0:
             try:
                 export(model, tok, os.path.join(out_dir, f"step{done}"), args.lora_rank)  # first: ckpt.pt says it is whole
                 save_checkpoint(ckpt_path, model, opt, gen, done, order, dict(
                     args=vars(args), seconds=time.perf_counter() - t0, loss=loss, recent=list(recent), work=work))
             except OSError as e:  # a full disk: ckpt.pt is the last one written whole
                 raise OSError(f"checkpoint of step {done} failed, {out_dir} still holds the previous one: {e}") from None
-    return loss
+        if matched:
+            break
+    return loss, done
 
 
 # ----------------------------------------------------------------------------- the script
@@ -320,6 +332,9 @@ def build_parser():
                                                "rollouts)"), sampling=False)
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the demonstrations (ignored with --steps)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
+    p.add_argument("--compute-tokens", type=int, default=0, help="stop after the first step whose compute tokens "
+                   "(forward + 2 x backward, as sft_metrics.jsonl counts them) reach this, logging and saving there: "
+                   "a supervised control matched in work to an RL run (its work/compute_tokens_total); 0 = off")
     p.add_argument("--batch-size", type=int, default=4, help="episodes per optimizer step, over all ranks")
     p.add_argument("--micro-batch-size", type=int, default=0, help="episodes per forward/backward on a rank (memory "
                    "only, the same step; 0 = the rank's whole share of --batch-size)")
@@ -358,8 +373,8 @@ def check_args(args, world):
         raise ValueError("--train-layers and --lora-rank must be >= 0")
     if args.train_layers and args.lora_rank:
         raise ValueError("--train-layers and --lora-rank are two ways to train part of the model; give one")
-    if args.heldout < 0 or args.eval_every < 0 or args.save_every < 0 or args.micro_batch_size < 0:
-        raise ValueError("--heldout, --eval-every, --save-every and --micro-batch-size must be >= 0")
+    if min(args.heldout, args.eval_every, args.save_every, args.micro_batch_size, args.compute_tokens) < 0:
+        raise ValueError("--heldout, --eval-every, --save-every, --micro-batch-size and --compute-tokens must be >= 0")
     train_seeds, held = range(args.seed, args.seed + args.episodes), range(args.heldout_seed, args.heldout_seed + args.heldout)
     for name, other in (("training", train_seeds), ("validation", VALIDATION)):
         if held and max(held.start, other.start) < min(held.stop, other.stop):
@@ -465,7 +480,8 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     try:
-        loss = train(model.to(device).train(), tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, world, say)
+        loss, steps = train(model.to(device).train(), tok, rows, heldout, steps, args, out_dir, ckpt, ddp, rank, world,
+                            say)
     except OSError as e:
         die(e)
     if rank == 0:  # a plain HF directory: the adapter merged in, fp32 weights, the tokenizer beside them

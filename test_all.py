@@ -5255,6 +5255,29 @@ def sft_main(capsys, *flags):
     return code, said.out, said.err
 
 
+def test_sft_stops_at_the_compute_of_the_run_it_controls(tmp_path, capsys):
+    """--compute-tokens N: the supervised control matched in work to an RL run (its work/compute_tokens_total): sft.py
+    stops after the first step whose compute tokens (forward + 2 x backward) reach N, logs and saves there, and says
+    so; a target its demonstrations cannot reach stops at the last step and says that."""
+    flags = ["--model", "tiny", "--env", "CoordFrozenLakeDet", "--policy", "solver", "--no-think", "--episodes", "32",
+             "--batch-size", "4", "--heldout", "0", "--eval-every", "1"]
+    code, out, err = sft_main(capsys, *flags, "--out", str(tmp_path / "all"))
+    every = [m["compute_tokens"] for m in map(json.loads, open(tmp_path / "all" / "sft_metrics.jsonl"))]  # steps 0..8
+    target = (every[3] + every[4]) // 2                                      # reached in step 4
+    code, out, err = sft_main(capsys, *flags, "--compute-tokens", str(target), "--save-every", "100",
+                              "--out", str(tmp_path / "matched"))
+    lines = [json.loads(l) for l in open(tmp_path / "matched" / "sft_metrics.jsonl")]
+    assert code == 0 and [m["step"] for m in lines] == [0, 1, 2, 3, 4] and lines[-1]["compute_tokens"] == every[4]
+    assert f"reached --compute-tokens {target} at step 4 ({every[4]} compute tokens)" in out
+    assert os.path.isdir(tmp_path / "matched" / "step4") and not os.path.exists(tmp_path / "matched" / "step8")
+    assert json.load(open(tmp_path / "matched" / "sft.json"))["steps"] == 4
+    code, out, err = sft_main(capsys, *flags, "--compute-tokens", str(target), "--resume", "--out",
+                              str(tmp_path / "matched"))                 # a resume of a run that reached it: no step
+    assert code == 0 and [json.loads(l)["step"] for l in open(tmp_path / "matched" / "sft_metrics.jsonl")][-1] == 4
+    code, out, err = sft_main(capsys, *flags, "--compute-tokens", str(every[-1] + 1), "--out", str(tmp_path / "short"))
+    assert code == 0 and f"--compute-tokens {every[-1] + 1} not reached: {every[-1]} compute tokens in 8 steps" in out
+
+
 def test_sft_loss_falls(tmp_path, capsys):
     code, out, err = sft_main(capsys, "--model", "tiny", "--env", "CoordFrozenLakeDet", "--policy", "solver", "--episodes",
                               "8", "--steps", "8", "--lr", "3e-3", "--out", str(tmp_path / "sft"), "--max-turns", "3")
