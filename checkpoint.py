@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from fsdp import full_state, load_state, meta_copy, set_training_state, training_state
+from fsdp import load_state, meta_copy, model_state, set_training_state, training_state
 
 # A resumed run takes the same flags, except these, which change neither what is trained nor the sampled tokens:
 # where and how long it runs, what it logs, memory, and the reference paths
@@ -86,9 +86,7 @@ def clean_interrupted_checkpoint(out):
     j = lambda name: os.path.join(out, name)
     shutil.rmtree(j("hf.tmp"), ignore_errors=True)
     committed = torch.load(j("ckpt.pt"), weights_only=False, mmap=True).get("state") if os.path.exists(j("ckpt.pt")) else None
-    for d in os.listdir(out):  # a half-written state (.tmp), one renamed in before its commit, one left after it
-        if d.startswith("state-") and d != committed:
-            shutil.rmtree(j(d))
+    remove_states(out, committed)  # a half-written state (.tmp), one renamed in before its commit, one left after it
     if os.path.isdir(j("hf.old")):
         if os.path.exists(j("ckpt.pt.tmp")) or not os.path.isdir(j("hf")):
             if os.path.isdir(j("hf")):
@@ -105,6 +103,13 @@ def write_atomically(path, text):
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def remove_states(out, keep):
+    """Remove every state directory in run directory out but `keep` (a name, or None: all)."""
+    for d in os.listdir(out):
+        if d.startswith("state-") and d != keep:
+            shutil.rmtree(os.path.join(out, d))
 
 
 def start_run_dir(args, world, start_step, resumed):
@@ -149,7 +154,7 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
     clean_interrupted_checkpoint() puts it back; a failed write raises OSError, which says so."""
     import torch.distributed.checkpoint as dcp
     lora = args.lora_rank > 0  # LoRA: adapters (+ critic head)
-    actor_sd = full_state(actor, None, lora)[0]  # the whole actor on rank 0 (CPU), for hf/ only
+    actor_sd = model_state(actor, lora, full=True)  # the whole actor on rank 0 (CPU), for hf/ only
     shards = {"actor": training_state(actor, opt, lora)}
     if critic is not None:
         shards["critic"] = training_state(critic, critic_opt, lora)
@@ -192,9 +197,7 @@ def save_checkpoint(args, step, monitor, actor, opt, critic, critic_opt, rollout
             os.rename(keep + ".tmp", keep)
         os.replace(j("ckpt.pt.tmp"), j("ckpt.pt"))  # the commit: a resume now starts after this step
         shutil.rmtree(j("hf.old"), ignore_errors=True)
-        for d in os.listdir(args.out):  # the previous checkpoint's state
-            if d.startswith("state-") and d != name:
-                shutil.rmtree(j(d))
+        remove_states(args.out, name)  # the previous checkpoint's
     except OSError as e:
         raise OSError(f"checkpoint of step {step} failed, {args.out} still holds the previous one: {e}") from e
 

@@ -138,38 +138,31 @@ def sync_rollout_weights(actor, rollout_model, ddp, lora=False, lora_base=None):
     return gathered
 
 
-def full_state(model, optimizer=None, lora=False):
-    """Unsharded state dicts on CPU (collective under FSDP2; every rank calls it). lora: the adapters (+ the critic's
-    head) only, the frozen base comes from --model. An optimizer that has never stepped (the actor in PPO's critic
-    warm-up) has no state to save: None, and it is left untouched. torch's get_optimizer_state_dict would create the
-    state by stepping it at lr 0 (_init_optim_state), in the file and in the live optimizer: AdamW at step 1 with zero
-    moments, so that the first real update takes step 2's bias correction and a run that saved differs from one that
-    did not."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
-    msd = get_model_state_dict(model, options=o)
+def model_state(model, lora=False, full=False):
+    """model's trainable weights as a state dict keyed by parameter name: this rank's share (DTensor shards under
+    FSDP2, whole tensors on one process), or with full=True the whole tensors on CPU (a collective under FSDP2: every
+    rank calls it). lora: the adapters (+ the critic's head) only, the frozen base comes from --model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full,
+                                                               ignore_frozen_params=lora))
     if lora:  # a tied (frozen) lm_head.weight slips through ignore_frozen_params
         trainable = {n for n, q in model.named_parameters() if q.requires_grad}
         msd = {k: v for k, v in msd.items() if k in trainable}
-    stepped = optimizer is not None and bool(optimizer.state)  # the same on every rank: they step together
-    return msd, (get_optimizer_state_dict(model, optimizer, options=o) if stepped else None)
+    return msd
 
 
 def training_state(model, optimizer=None, lora=False, with_optimizer=None):
     """This rank's share of model's trainable weights and of optimizer's state, as torch.distributed.checkpoint saves
-    and loads them: {"model": ..., "optim": ...} with DTensor shards under FSDP2 (whole tensors on one process),
-    keyed by parameter name, so that any number of ranks can load them. "optim" is left out for an optimizer that has
-    never stepped (see full_state); with_optimizer=True (a load's template for a checkpoint whose optimizer had
-    stepped) includes it anyway, creating the state the load then overwrites. lora: the adapters (+ critic head)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    o = StateDictOptions(ignore_frozen_params=lora)
-    msd = get_model_state_dict(model, options=o)
-    if lora:  # a tied (frozen) lm_head.weight slips through ignore_frozen_params
-        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
-        msd = {k: v for k, v in msd.items() if k in trainable}
-    state = {"model": msd}
+    and loads them: {"model": ..., "optim": ...}, keyed by parameter name, so that any number of ranks can load them.
+    "optim" is left out for an optimizer that has never stepped (the actor in PPO's critic warm-up): torch's
+    get_optimizer_state_dict would create its state by stepping it at lr 0 (_init_optim_state), in the file and in the
+    live optimizer, AdamW at step 1 with zero moments, so that the first real update takes step 2's bias correction and
+    a run that saved would differ from one that did not. with_optimizer=True (a load's template for a checkpoint whose
+    optimizer had stepped) includes it anyway, creating the state the load then overwrites."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    state = {"model": model_state(model, lora)}
     if optimizer is not None and (with_optimizer or (with_optimizer is None and optimizer.state)):
-        state["optim"] = get_optimizer_state_dict(model, optimizer, options=o)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=lora))
     return state
 
 
@@ -183,9 +176,9 @@ def set_training_state(model, optimizer, state, lora=False):
 
 
 def load_state(model, optimizer, msd, osd, lora=False):
-    """Fill model (and optimizer) from full_state's dicts, on every rank (sharded under FSDP2). osd None: the
-    optimizer had never stepped and stays as it is (set_optimizer_state_dict would step it at lr 0, as full_state
-    says)."""
+    """Fill model (and optimizer) from whole state dicts (a ckpt.pt written before the sharded state directories held
+    them), on every rank (sharded under FSDP2). osd None: the optimizer had never stepped and stays as it is
+    (set_optimizer_state_dict would step it at lr 0, as training_state says)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
     o = StateDictOptions(full_state_dict=True, strict=not lora)  # LoRA: the frozen base comes from --model
     set_model_state_dict(model, msd, options=o)

@@ -447,16 +447,17 @@ def count_work(st, attention_mask, backward=False):
 
 
 @torch.no_grad()
-def forward_pass(st, args, model, batch, what, skip_first=False):
+def forward_pass(st, args, model, batch, what, skip_first=False, count=True):
     """logp, entropy or values (what) of this rank's share of the rows of batch (tokens, attention_mask, loss_mask,
     a multiple of world rows), gathered; logp and entropy only at batch["loss_mask"] (0 elsewhere).
-    skip_first: leave the update's first mini-batch out (zeros there)."""
+    skip_first: leave the update's first mini-batch out (zeros there). count: add the pass to st.work."""
     n = batch["tokens"].shape[0]
     res = torch.zeros(n, batch["tokens"].shape[1], device=st.device)  # on the device: NCCL reduces GPU tensors
     for mb in [mb for _, mine in partition(st, args, n)[1 if skip_first else 0:] for mb in mine]:
         tokens, am, lm = trim(batch["attention_mask"], mb, batch["tokens"], batch["attention_mask"], batch["loss_mask"],
                               device=st.device)
-        count_work(st, am)
+        if count:
+            count_work(st, am)
         with st.autocast():
             if what == "values":
                 x = model(tokens, am, st.share_prefix)
@@ -746,9 +747,7 @@ def check_update(st, args, batch, old_logp, adv, success, say):
     """check/*: starpo.update_direction of the step's kept rows, from the actor's log-probs after the update against
     old_logp [K, T] (the policy the step started from); success [K]. A diagnostic, so its forward is not work."""
     say("update check")
-    work = dict(st.work)
-    new_logp = forward_pass(st, args, st.actor, batch, "logp")                 # [K, T]
-    st.work.update(work)
+    new_logp = forward_pass(st, args, st.actor, batch, "logp", count=False)    # [K, T]
     moved = starpo.update_direction(new_logp, old_logp, adv, batch["mask"], success)
     return {f"check/{k}": v for k, v in moved.items()}
 
