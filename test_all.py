@@ -9,6 +9,7 @@ slow plain-Python loops, a brute-force solver, a full-recompute sampler, a 1-pro
 run. Tests marked `slow` (pytest.ini) start train.py, eval.py, sft.py, bench.py, gpu_check.py or torchrun, or build
 the paper's model shape.
 """
+import argparse
 import dataclasses
 import inspect
 import itertools
@@ -3400,6 +3401,28 @@ def test_update_check_logs_how_the_step_moved_its_tokens(tmp_path, monkeypatch):
         assert m["check/success_pos_adv_fraction"] > m["check/failure_pos_adv_fraction"]
 
 
+def test_lr_warmup_follows_verls_constant_schedule(tmp_path):
+    """--lr-warmup-steps N is veRL's get_constant_schedule_with_warmup (a LambdaLR stepped once per actor update):
+    update u < N at lr * u / N, counted from the actor's first update (after --critic-warmup). So the first update
+    runs at lr 0 and leaves the weights bit-equal to a run at lr 0; the next ones move them."""
+    import train
+    verl = lambda u, n: float(u) / float(max(1.0, n)) if u < n else 1.0  # veRL's lambda, written out
+    for critic_warmup, n in ((0, 4), (2, 3), (0, 1)):
+        args = argparse.Namespace(lr=1e-4, lr_warmup_steps=n, critic_warmup=critic_warmup)
+        assert [train.actor_lr(args, critic_warmup + u) for u in range(6)] == pytest.approx(
+            [1e-4 * verl(u, n) for u in range(6)])
+    assert train.actor_lr(argparse.Namespace(lr=1e-4, lr_warmup_steps=0, critic_warmup=0), 0) == 1e-4
+    flags = [*TINY, "--env", "frozenlake", "--algo", "grpo", "--val-every", "0", "--collapse-every", "0"]
+    runs = {name: str(tmp_path / name) for name in ("warm", "zero", "long")}
+    run_train(*flags, "--steps", "1", "--lr", "1e-2", "--lr-warmup-steps", "3", "--out", runs["warm"])
+    run_train(*flags, "--steps", "1", "--lr", "0", "--out", runs["zero"])
+    run_train(*flags, "--steps", "3", "--lr", "1e-2", "--lr-warmup-steps", "2", "--out", runs["long"])
+    assert [m["actor/lr"] for m in read_metrics(runs["long"])] == pytest.approx([0.0, 5e-3, 1e-2])
+    warm, zero, long = (checkpoint.read_state(runs[k])["actor"] for k in ("warm", "zero", "long"))
+    assert all(torch.equal(warm[k], zero[k]) for k in zero)
+    assert max((long[k] - zero[k]).abs().max().item() for k in zero) > 1e-4
+
+
 def test_logged_losses_do_not_depend_on_the_micro_batch_size(tmp_path):
     # logged losses are means over the mini-batch, not over micro-batch partial sums (4x less at 1 than at 4)
     flags = [*TINY, "--env", "frozenlake", "--algo", "ppo", "--steps", "1", "--val-every", "0", "--collapse-every", "0",
@@ -3774,6 +3797,7 @@ def test_lora_sync_gathers_only_the_adapters(tmp_path):
     (["--plan", "-2"], "--plan -2: the number of ranks"),
     (["--lora-rank", "4", "--lora-target", "q_proj,lm_head"], "--lora-target lm_head: the log-prob passes"),
     (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
+    (["--lr-warmup-steps", "-1"], "--lr-warmup-steps must be >= 0"),
 ])
 def test_bad_flags_give_one_line_errors(flags, message):
     r = run_train(*TINY, "--steps", "1", *flags, check=False)

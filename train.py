@@ -180,6 +180,8 @@ def add_run_flags(common, groups, ragen2):
     g.add_argument("--critic-warmup", type=int, default=0, help="PPO: the first N steps update the critic alone "
                    "(veRL's trainer.critic_warmup = N + 1: it counts steps from 1 and updates the actor "
                    "from that step on)")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, help="the actor's lr rises linearly over its first N "
+                   "updates (veRL's actor.optim.lr_warmup_steps, constant schedule): update u < N trains at lr * u / N")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (actor and critic)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
     g = groups["validation"]
@@ -258,6 +260,8 @@ def resolve_args(args):
     args.critic = args.algo in CRITIC_ALGOS  # a value function to learn: the critic model and its update
     if args.critic_warmup < 0 or (args.critic_warmup and not args.critic):
         raise ValueError(f"--critic-warmup needs a critic (--algo {' or '.join(CRITIC_ALGOS)}) and a step count >= 0")
+    if args.lr_warmup_steps < 0:
+        raise ValueError("--lr-warmup-steps must be >= 0")
     if args.bi_level_gae and (args.algo != "ppo" or args.turn_rewards):
         raise ValueError("--bi-level-gae needs --algo ppo and no --turn-rewards (as RAGEN)")
     if args.max_context_window == 0 or args.max_context_window < -1:
@@ -702,11 +706,22 @@ def actor_update(st, args, mine, batch, adv, old_logp, ref_logp, counts, fill_ol
     return part, acc
 
 
+def actor_lr(args, step):
+    """The actor's lr at `step`: veRL's constant schedule with --lr-warmup-steps N of linear warm-up, counted in actor
+    updates (there are none in the --critic-warmup steps). Update u < N trains at lr * u / N, so the first runs at lr 0
+    and only fills AdamW's moments: AdamW's first step otherwise moves every weight by lr * sign(its gradient) (its
+    bias-corrected moments are g and g^2), whatever the gradient's size."""
+    u = step - args.critic_warmup
+    return args.lr * min(1.0, u / args.lr_warmup_steps) if args.lr_warmup_steps > 0 else args.lr
+
+
 def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, step, say):
     """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
     step (with a critic), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient
     skips its step (counted in monitor). Returns the metrics averaged over mini-batches and ranks."""
     acc, actor_on = {}, step >= args.critic_warmup
+    for group in st.opt.param_groups:  # every step sets it, so a resume needs no scheduler state
+        group["lr"] = actor_lr(args, step)
     st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if st.critic is not None:
         st.critic.train()
@@ -740,7 +755,7 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
         st.critic.eval()
     m = ranks.all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()},
                               st.ddp, st.world, st.device)
-    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": args.lr if actor_on else 0.0})
+    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": actor_lr(args, step) if actor_on else 0.0})
 
 
 def check_update(st, args, batch, old_logp, adv, success, say):
