@@ -3412,6 +3412,7 @@ def test_lr_warmup_follows_verls_constant_schedule(tmp_path):
         assert [train.actor_lr(args, critic_warmup + u) for u in range(6)] == pytest.approx(
             [1e-4 * verl(u, n) for u in range(6)])
     assert train.actor_lr(argparse.Namespace(lr=1e-4, lr_warmup_steps=0, critic_warmup=0), 0) == 1e-4
+    assert train.actor_lr(argparse.Namespace(lr=1e-4, lr_warmup_steps=3, critic_warmup=2), 1) == 0.0  # critic alone
     flags = [*TINY, "--env", "frozenlake", "--algo", "grpo", "--val-every", "0", "--collapse-every", "0"]
     runs = {name: str(tmp_path / name) for name in ("warm", "zero", "long")}
     run_train(*flags, "--steps", "1", "--lr", "1e-2", "--lr-warmup-steps", "3", "--out", runs["warm"])

@@ -711,7 +711,7 @@ def actor_lr(args, step):
     updates (there are none in the --critic-warmup steps). Update u < N trains at lr * u / N, so the first runs at lr 0
     and only fills AdamW's moments: AdamW's first step otherwise moves every weight by lr * sign(its gradient) (its
     bias-corrected moments are g and g^2), whatever the gradient's size."""
-    u = step - args.critic_warmup
+    u = max(step - args.critic_warmup, 0)  # this update's index among the actor's (0 in the critic's warm-up)
     return args.lr * min(1.0, u / args.lr_warmup_steps) if args.lr_warmup_steps > 0 else args.lr
 
 
