@@ -719,9 +719,9 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
     """--ppo-epochs passes of mini-batches of --mini-batch-size kept rows, this rank's share of each: a critic
     step (with a critic), then an actor step (none in the first --critic-warmup steps). A non-finite actor gradient
     skips its step (counted in monitor). Returns the metrics averaged over mini-batches and ranks."""
-    acc, actor_on = {}, step >= args.critic_warmup
+    acc, actor_on, lr = {}, step >= args.critic_warmup, actor_lr(args, step)
     for group in st.opt.param_groups:  # every step sets it, so a resume needs no scheduler state
-        group["lr"] = actor_lr(args, step)
+        group["lr"] = lr
     st.actor.train()  # HF runs gradient checkpointing only in train mode (Qwen2.5 / Llama have no dropout)
     if st.critic is not None:
         st.critic.train()
@@ -755,7 +755,7 @@ def update(st, args, batch, adv, old_logp, returns, values, ref_logp, monitor, s
         st.critic.eval()
     m = ranks.all_reduce_mean({k: (max(v) if k.startswith("perf/") else sum(v) / len(v)) for k, v in acc.items()},
                               st.ddp, st.world, st.device)
-    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": actor_lr(args, step) if actor_on else 0.0})
+    return dict(m, **{"actor/skipped_updates": monitor["skipped"], "actor/lr": lr if actor_on else 0.0})
 
 
 def check_update(st, args, batch, old_logp, adv, success, say):
