@@ -6,6 +6,7 @@ init_compute, this rank's device and process group, serves train.py and sft.py.
 """
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,21 @@ def init_compute(device_flag, ddp, timeout_min):
     if ddp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=timeout_min))
     return device
+
+
+def leave(ddp):
+    """The end of a torchrun rank's run, once every file it writes is closed: the ranks wait for each other (a rank
+    that tears down while rank 0 still writes its checkpoint and summary can make rank 0 abort), destroy the process
+    group, and leave without finalizing the interpreter: torch's C++ teardown after the group is gone can, rarely and
+    on a loaded machine, abort a rank ("terminate called without an active exception"), and os._exit skips it and
+    nothing else this process still had to do. Without ddp: nothing."""
+    if not ddp:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def rows_of_rank(n, rank, world):

@@ -492,9 +492,7 @@ def main(argv=None):
             json.dump(dict(vars(args), presets=presets, steps=steps, world=world, final_loss=loss,
                            heldout_skipped=skipped), f, indent=1)
         say(f"saved {out_dir}  (eval.py --model {out_dir} --env {' '.join(presets)})")
-    if ddp:  # the ranks leave together: a gloo rank that tears down while rank 0 is still writing can hang at exit
-        dist.barrier()
-        dist.destroy_process_group()
+    ranks.leave(ddp)
 
 
 if __name__ == "__main__":

@@ -3518,6 +3518,22 @@ def test_collapse_diagnostics_are_spread_over_the_ranks(tmp_path):
         assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 
+def test_ranks_leave_together_and_skip_the_interpreters_teardown(tmp_path):
+    """ranks.leave: two gloo ranks meet, destroy the group and exit 0 without running the interpreter's teardown, so
+    a teardown that would abort (here an atexit handler that calls os.abort, standing in for torch's C++ teardown)
+    cannot fail a finished run; the text written before leave() comes through."""
+    script = tmp_path / "leave.py"
+    script.write_text("import atexit, os, ranks, torch.distributed as dist\n"
+                      "ranks.init_compute('cpu', True, 1)\n"
+                      "atexit.register(os.abort)\n"
+                      "print(f'rank {dist.get_rank()} done')\n"
+                      "ranks.leave(True)\n")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+                       capture_output=True, text=True, cwd=HERE, env=dict(train_env(), PYTHONPATH=HERE), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "rank 0 done" in r.stdout and "rank 1 done" in r.stdout
+
+
 @pytest.mark.slow
 def test_each_ranks_rollout_time_is_logged(tmp_path):
     """timing_s/rollout_rank_max and _mean: the seconds each rank spent in its own rollout (before the gather waits

@@ -1003,9 +1003,7 @@ def main(argv=None):
         checkpoint.print_summary(args, plot)
     if st.wandb_run is not None:
         st.wandb_run.finish()
-    if ddp:  # the ranks leave together (as sft.py's do): a gloo rank that tears down while rank 0 is still writing its
-        dist.barrier()  # checkpoint and summary can make rank 0 abort at exit
-        dist.destroy_process_group()
+    ranks.leave(ddp)
 
 
 if __name__ == "__main__":
