@@ -176,10 +176,13 @@ def paired_runs(a, bs):
                 paired_se_of_mean=se_episodes)
 
 
-def compare(dir_a, *dirs_b):
+def compare(dir_a, *dirs_b, played=()):
     """eval.py --paired A B [B ...]: the paired table of every preset A and each B played; with several Bs (the seeds
     of one arm) also their mean difference with its standard errors (paired_runs). Refuses evaluations that sampled
-    differently (sampler seed, temperature, greedy): their episodes would not be paired."""
+    differently (sampler seed, temperature, greedy): their episodes would not be paired. played (--unseen with
+    --paired: training_shown() of each source): only the seeds A played whose board no source showed are compared, as
+    if each evaluation had been run with that --unseen (a seed's sampling noise does not depend on the others played:
+    rollout.rollout), so models can be judged on every seed as each is trained and the set fixed when all are)."""
     for d in (dir_a, *dirs_b):
         if not os.path.exists(os.path.join(d, "summary.json")):
             raise ValueError(f"{d} has no summary.json (give eval.py output directories)")
@@ -196,6 +199,11 @@ def compare(dir_a, *dirs_b):
         raise ValueError(f"{dir_a} and {', '.join(dirs_b)} share no preset")
     a = {key: read(dir_a, key) for key in shared}  # A's episodes, read once for every B
     bs = [{key: read(dir_b, key) for key in shared} for dir_b in dirs_b]
+    for key in shared if played else ():
+        kept = set(unseen_judge_seeds(key, sorted({r["seed"] for r in a[key]}), played))
+        a[key] = [r for r in a[key] if r["seed"] in kept]
+        for b in bs:
+            b[key] = [r for r in b[key] if r["seed"] in kept]
     for dir_b, b in zip(dirs_b, bs):
         print(f"A = {dir_a}, B = {dir_b}")
         rows = {key: paired(a[key], b[key]) for key in shared}
@@ -264,6 +272,22 @@ def training_shown(source):
                      "seed range A-B")
 
 
+def unseen_judge_seeds(key, judge, played):
+    """The seeds of judge (of preset key) whose first observation no training source in played (training_shown() of
+    each) showed at any turn; prints how many were dropped, and why. Each source's seeds reset in its own preset (None:
+    this one); boards are compared as text (agent.board)."""
+    first = set().union(*(agent.seen_boards(k or key, s) for p in played for k, (s, _) in p.items()))
+    later = {agent.board(key, o) for p in played for k, (_, shown) in p.items() if k == key and shown for o in shown}
+    n_first = len(judge) - len(agent.unseen_seeds(key, judge, first))
+    kept = agent.unseen_seeds(key, judge, first | later)
+    unrecorded = [k for p in played for k, (s, o) in p.items() if o is None and k is not None]
+    print(f"{key}: --unseen drops {len(judge) - len(kept)} of {len(judge)} seeds: {n_first} whose board a training "
+          f"episode started on, {len(judge) - len(kept) - n_first} more whose board one showed at a later turn; "
+          f"{len(kept)} remain" + (f" (no observations.jsonl for {', '.join(unrecorded)}: first boards only there)"
+                                   if unrecorded else ""))
+    return kept
+
+
 def resolve(args):
     """eval.py's flags completed and checked: a run directory's flags (FROM_RUN) for those not given, then DEFAULTS,
     the output directory. Returns (the model directory or name to load, the presets); a ValueError says what is wrong."""
@@ -310,16 +334,8 @@ def evaluate(model, tok, args, presets, played=()):
         groups_per_call = max(1, args.batch_size // args.samples)  # bounded KV-cache memory
         split = args.split if "split" in inspect.signature(cls.reset).parameters else None  # WebShop's goal splits
         judge = [args.val_seed + g for g in range(args.num_seeds)]
-        if played:  # each source's seeds reset in its own preset (None: this one), boards compared as text
-            first = set().union(*(agent.seen_boards(k or key, s) for p in played for k, (s, _) in p.items()))
-            later = {agent.board(key, o) for p in played for k, (_, shown) in p.items() if k == key and shown for o in shown}
-            n_first = len(judge) - len(agent.unseen_seeds(key, judge, first))
-            judge = agent.unseen_seeds(key, judge, first | later)
-            unrecorded = [k for p in played for k, (s, o) in p.items() if o is None and k is not None]
-            print(f"{key}: --unseen drops {args.num_seeds - len(judge)} of {args.num_seeds} seeds: {n_first} whose board "
-                  f"a training episode started on, {args.num_seeds - len(judge) - n_first} more whose board one showed at "
-                  f"a later turn; {len(judge)} remain" + (f" (no observations.jsonl for {', '.join(unrecorded)}: first "
-                                                           "boards only there)" if unrecorded else ""))
+        if played:
+            judge = unseen_judge_seeds(key, judge, played)
             if not judge:
                 continue
         records, t0, envs = [], time.time(), []
@@ -442,7 +458,7 @@ def build_parser():
     p.add_argument("--paired", nargs="+", default=None, metavar="EVAL", help="EVAL_A EVAL_B [EVAL_B ...]: compare eval.py "
                    "outputs of the same seeds and sampler seed: success difference B - A, its paired standard error, wins "
                    "alone; several Bs (one arm's seeds): also their mean difference, its SE over runs, Student's t, its "
-                   "dof and two-sided p (the test over seeds), and the paired SE of the mean")
+                   "dof and two-sided p (the test over seeds), and the paired SE of the mean; with --unseen, on the seeds it keeps")
     p.add_argument("--model", default=None, help="hub id, local dir, run dir (loads <run>/hf), 'smollm2' or 'tiny'")
     p.add_argument("--env", nargs="+", action="extend", default=None, help="presets or short names (repeatable)")
     p.add_argument("--num-seeds", type=int, default=256, help="validation seeds (RAGEN: 256 groups of 1)")
@@ -475,7 +491,7 @@ def main(argv=None):
         if args.paired:
             if len(args.paired) < 2:
                 raise ValueError("--paired needs EVAL_A and at least one EVAL_B")
-            compare(*args.paired)
+            compare(*args.paired, played=[training_shown(source) for source in args.unseen or []])
             return
         if args.model is None:
             raise ValueError("give --model (or --plot RUN_DIR)")

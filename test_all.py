@@ -5057,6 +5057,20 @@ def test_unseen_keeps_exactly_the_judge_seeds_with_unseen_boards(tmp_path, capsy
     assert (f"{key}: --unseen drops 5 of 50 seeds: 3 whose board a training episode started on, 2 more whose board "
             "one showed at a later turn; 45 remain") in said and f"| {key} | 45 |" in said, said
     assert [json.loads(l)["seed"] for l in open(tmp_path / "ev" / f"{key}.jsonl")] == [s for s in want if s not in (150, 171)]
+    # judged on every seed first, filtered at --paired: the same 45 episodes, token for token (a seed's sampling noise
+    # does not depend on the seeds beside it; only prefill_saved, the prompt tokens copied from a batch neighbour,
+    # does), and the same drop line
+    ev.main(["--device", "cpu", "--model", "tiny", "--env", key, "--val-seed", "123", "--num-seeds", "50", "--no-think",
+             "--max-turns", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "all")])
+    read = lambda d: {r["seed"]: r for r in map(json.loads, open(tmp_path / d / f"{key}.jsonl"))}
+    every, kept = read("all"), read("ev")
+    for r in [*every.values(), *kept.values()]:
+        del r["stats"]["prefill_saved"]
+    assert len(every) == 50 and all(every[s] == r for s, r in kept.items())
+    capsys.readouterr()
+    ev.main(["--paired", str(tmp_path / "all"), str(tmp_path / "ev"), "--unseen", str(demos), str(run), "10000-10001"])
+    said = capsys.readouterr().out
+    assert f"{key}: --unseen drops 5 of 50 seeds" in said and f"| {key} | 45 |" in said and "| 0.000 | n/a |" in said, said
 
 
 @pytest.mark.slow
